@@ -1,0 +1,116 @@
+"""MLX affine quantization: pack, unpack, quantize, dequantize and a plain quantized matmul.
+
+Format (bit-compatible with ``mlx.core.quantize(w, group_size, bits)``, mode "affine"):
+- ``weight`` uint32 ``[..., out, in * bits // 32]``: element ``j`` of each run of ``32 // bits`` input
+  values sits at bits ``[bits * j, bits * j + bits)`` of its word (little-endian along the input dim).
+- ``scales`` and ``biases`` ``[..., out, in // group_size]`` in the model dtype; ``w = scales * q + biases``.
+
+Quantization follows MLX's CPU kernel (mlx/backend/cpu/quantized.cpp, ``quantize``): in float32,
+``scale = max((max - min) / (2^bits - 1), 1e-7)``, signed so that the edge of larger magnitude
+(``min`` or ``max``) is hit exactly by an integer ``q0 = rint(edge / scale)``; then
+``scale = edge / q0``, ``bias = edge`` (``bias = 0`` when ``q0 == 0``), and
+``q = clip(rint((w - bias) / scale), 0, 2^bits - 1)`` with the float32 scale and bias.
+
+All functions take numpy or jax arrays (numpy in, numpy out) and allow leading batch dims
+such as experts ``[E, out, in]``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+BITS = (4, 8)
+GROUP_SIZES = (32, 64, 128)
+
+
+def _xp(a):
+    return np if isinstance(a, np.ndarray) else jnp
+
+
+def _check_bits(bits: int) -> None:
+    if bits not in BITS:
+        raise ValueError(f"{bits=} is not supported; use one of {BITS}")
+
+
+def _check_group(group_size: int) -> None:
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"{group_size=} is not supported; use one of {GROUP_SIZES}")
+
+
+def pack(q, bits: int):
+    """Packs unsigned ints ``q [..., in]`` (each < 2^bits) into uint32 ``[..., in * bits // 32]``."""
+    _check_bits(bits)
+    xp = _xp(q)
+    per_word = 32 // bits
+    if q.shape[-1] % per_word:
+        raise ValueError(f"last dim {q.shape[-1]=} must be a multiple of {per_word} for {bits=}")
+    q = xp.asarray(q).astype(xp.uint32).reshape(*q.shape[:-1], q.shape[-1] // per_word, per_word)
+    shifts = xp.arange(per_word, dtype=xp.uint32) * xp.uint32(bits)
+    # Fields do not overlap, so a sum is a bitwise or.
+    return (q << shifts).sum(axis=-1, dtype=xp.uint32)
+
+
+def unpack(packed, bits: int):
+    """Inverse of ``pack``: uint32 ``[..., in * bits // 32]`` to uint32 ``[..., in]``."""
+    _check_bits(bits)
+    xp = _xp(packed)
+    if packed.dtype != xp.uint32:
+        raise ValueError(f"packed weights must be uint32, got {packed.dtype=}")
+    per_word = 32 // bits
+    shifts = xp.arange(per_word, dtype=xp.uint32) * xp.uint32(bits)
+    q = (packed[..., None] >> shifts) & xp.uint32((1 << bits) - 1)
+    return q.reshape(*packed.shape[:-1], packed.shape[-1] * per_word)
+
+
+def quantize(w, bits: int = 4, group_size: int = 64):
+    """Quantizes ``w [..., out, in]`` to ``(weight uint32, scales, biases)`` exactly as MLX does."""
+    _check_bits(bits)
+    _check_group(group_size)
+    xp = _xp(w)
+    if w.ndim < 2:
+        raise ValueError(f"weight must be at least 2D [..., out, in], got {w.shape=}")
+    if w.shape[-1] % group_size:
+        raise ValueError(f"input dim {w.shape[-1]=} must be a multiple of {group_size=}")
+    n_bins = float((1 << bits) - 1)
+    wg = w.astype(xp.float32).reshape(*w.shape[:-1], w.shape[-1] // group_size, group_size)
+    w_min = wg.min(axis=-1, keepdims=True)
+    w_max = wg.max(axis=-1, keepdims=True)
+    use_min = xp.abs(w_min) > xp.abs(w_max)
+    scale = xp.maximum((w_max - w_min) / xp.float32(n_bins), xp.float32(1e-7))
+    scale = xp.where(use_min, scale, -scale)
+    edge = xp.where(use_min, w_min, w_max)
+    q0 = xp.round(edge / scale)  # round half to even, as std::rint
+    nonzero = q0 != 0
+    scale = xp.where(nonzero, edge / xp.where(nonzero, q0, xp.float32(1)), scale)
+    bias = xp.where(nonzero, edge, xp.float32(0))
+    q = xp.clip(xp.round((wg - bias) / scale), 0, n_bins).astype(xp.uint32)
+    weight = pack(q.reshape(w.shape), bits)
+    return weight, scale[..., 0].astype(w.dtype), bias[..., 0].astype(w.dtype)
+
+
+def dequantize(weight, scales, biases, bits: int = 4, group_size: int = 64, dtype=None):
+    """``weight [..., out, in*bits/32]`` back to ``w [..., out, in]``: float32 ``scale * q + bias``, cast."""
+    _check_bits(bits)
+    _check_group(group_size)
+    xp = _xp(weight)
+    dtype = scales.dtype if dtype is None else dtype
+    k = weight.shape[-1] * 32 // bits
+    if k % group_size:
+        raise ValueError(f"input dim {k=} (from {weight.shape=}) must be a multiple of {group_size=}")
+    want = (*weight.shape[:-1], k // group_size)
+    if tuple(scales.shape) != want or tuple(biases.shape) != want:
+        raise ValueError(f"{scales.shape=} and {biases.shape=} must both be {want} for {weight.shape=}")
+    q = unpack(weight, bits).astype(xp.float32).reshape(*want, group_size)
+    w = q * scales.astype(xp.float32)[..., None] + biases.astype(xp.float32)[..., None]
+    return w.reshape(*weight.shape[:-1], k).astype(dtype)
+
+
+def qmatmul_reference(x: jax.Array, weight, scales, biases, bits: int = 4, group_size: int = 64):
+    """``x [..., in] @ dequantize(weight).T -> [..., out]`` in ``x.dtype``, float32 accumulation."""
+    w = dequantize(jnp.asarray(weight), jnp.asarray(scales), jnp.asarray(biases), bits, group_size, x.dtype)
+    if x.shape[-1] != w.shape[-1]:
+        raise ValueError(f"{x.shape[-1]=} does not match the weight's input dim {w.shape[-1]}")
+    y = jnp.einsum("...k,nk->...n", x, w, preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)

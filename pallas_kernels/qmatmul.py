@@ -1,0 +1,192 @@
+"""Pallas GPU (Triton) matmul against MLX affine-quantized weights: ``x @ dequantize(W).T``.
+
+Shapes: ``x [M, K]`` (bf16, or f32 for CPU tests), ``weight [N, K * bits // 32]`` uint32 packed as
+in ``tfjax.quant``, ``scales``/``biases`` ``[N, K // group_size]``. Output ``[M, N]`` in ``x.dtype``.
+
+Each program owns ``block_m`` rows of x, ``block_n`` output columns and one of ``split_k`` equal
+slices of K. It walks its slice in ``block_k`` tiles: unpack the uint32 words (shift, mask),
+dequantize in float32 (``scale * q + bias``), cast to ``x.dtype``, and accumulate the tile's dot in
+float32. Split-K partials are added in a fixed order (0, 1, ..., split_k - 1) outside the kernel.
+
+Row invariance (exact speculative decoding verifies k+1 rows and must match 1-row decode bit for
+bit): the K tiles, their order and the split are chosen from the weight's shape alone
+(``BlockSizes.for_weight``), ``block_m`` is fixed, and rows past M are masked loads of zeros, so
+every row goes through the same instructions whatever M is and whatever the other rows hold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from tfjax import quant
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes; all but ``block_m`` must depend only on the weight's shape (row invariance)."""
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 256
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    @classmethod
+    def for_weight(cls, n: int, k: int, group_size: int = 64) -> BlockSizes:
+        """Defaults from the weight's shape: enough programs (>= ~256) to keep an H200's 132 SMs fed."""
+        block_n = next((b for b in (64, 32, 16) if n % b == 0), 64)
+        block_k = next((b for b in (256, 128, 64, 32) if k % b == 0 and b >= group_size), 256)
+        tiles = k // block_k
+        split_k = 1
+        for s in (1, 2, 4, 8):
+            if tiles % s == 0:
+                split_k = s
+                if (n // block_n) * s >= 256:
+                    break
+        return cls(block_n=block_n, block_k=block_k, split_k=split_k)
+
+
+def _qmatmul_kernel(
+    x_ref,  # [block_m, K]
+    w_ref,  # [block_n, K * bits // 32] uint32
+    s_ref,  # [block_n, K // group_size]
+    b_ref,  # [block_n, K // group_size]
+    o_ref,  # [block_m, block_n]
+    *,
+    m: int,
+    bits: int,
+    group_size: int,
+    block_k: int,
+    tiles_per_split: int,
+):
+    block_m = x_ref.shape[0]
+    block_n = w_ref.shape[0]
+    per_word = 32 // bits
+    words = block_k // per_word  # uint32 words per K tile
+    groups = block_k // group_size  # scale groups per K tile
+    row_mask = (pl.program_id(0) * block_m + jnp.arange(block_m) < m)[:, None]  # [block_m, 1]
+    shifts = jnp.arange(per_word, dtype=jnp.uint32) * jnp.uint32(bits)  # [per_word]
+    first = pl.program_id(2) * tiles_per_split
+
+    def body(t, acc):
+        kt = first + t
+        x = plgpu.load(x_ref.at[:, pl.ds(kt * block_k, block_k)], mask=row_mask, other=0)  # [bm, bk]
+        packed = w_ref[:, pl.ds(kt * words, words)]  # [bn, words] uint32
+        q = (packed[:, :, None] >> shifts[None, None, :]) & jnp.uint32((1 << bits) - 1)
+        q = q.astype(jnp.int32).astype(jnp.float32).reshape(block_n, groups, group_size)
+        s = s_ref[:, pl.ds(kt * groups, groups)].astype(jnp.float32)  # [bn, groups]
+        b = b_ref[:, pl.ds(kt * groups, groups)].astype(jnp.float32)
+        w = (q * s[:, :, None] + b[:, :, None]).astype(x.dtype).reshape(block_n, block_k)
+        dot = lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        return acc + dot  # [bm, bn]
+
+    acc = lax.fori_loop(0, tiles_per_split, body, jnp.zeros((block_m, block_n), jnp.float32))
+    plgpu.store(o_ref, acc.astype(o_ref.dtype), mask=row_mask)
+
+
+def _check_shapes(x, weight, scales, biases, bits, group_size, bs: BlockSizes):
+    if bits not in quant.BITS:
+        raise ValueError(f"{bits=} is not supported; use one of {quant.BITS}")
+    if group_size not in quant.GROUP_SIZES:
+        raise ValueError(f"{group_size=} is not supported; use one of {quant.GROUP_SIZES}")
+    if x.ndim != 2 or weight.ndim != 2:
+        raise ValueError(f"want x [M, K] and weight [N, K*bits/32], got {x.shape=} {weight.shape=}")
+    m, k = x.shape
+    n, kw = weight.shape
+    if weight.dtype != jnp.uint32:
+        raise ValueError(f"weight must be uint32, got {weight.dtype=}")
+    if kw * 32 // bits != k:
+        raise ValueError(f"{x.shape=} has K={k} but {weight.shape=} unpacks to K={kw * 32 // bits}")
+    want = (n, k // group_size)
+    if tuple(scales.shape) != want or tuple(biases.shape) != want:
+        raise ValueError(f"{scales.shape=} and {biases.shape=} must both be {want}")
+    for name in ("block_m", "block_n", "block_k"):
+        v = getattr(bs, name)
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"{name}={v} must be a power of 2 >= 16")
+    if n % bs.block_n:
+        raise ValueError(f"N={n} must be a multiple of block_n={bs.block_n}")
+    if bs.block_k % group_size or bs.block_k < group_size:
+        raise ValueError(f"block_k={bs.block_k} must be a multiple of {group_size=}")
+    if k % (bs.block_k * bs.split_k):
+        raise ValueError(f"K={k} must be a multiple of block_k*split_k={bs.block_k}*{bs.split_k}")
+
+
+def _qmatmul_call(x, weight, scales, biases, *, bits, group_size, bs: BlockSizes, interpret):
+    m, k = x.shape
+    n, kw = weight.shape
+    split = bs.split_k
+    tiles_per_split = k // bs.block_k // split
+    grid = (pl.cdiv(m, bs.block_m), n // bs.block_n, split)  # rows fastest: prompts reuse a weight tile
+    kernel = functools.partial(
+        _qmatmul_kernel,
+        m=m,
+        bits=bits,
+        group_size=group_size,
+        block_k=bs.block_k,
+        tiles_per_split=tiles_per_split,
+    )
+    if split == 1:
+        out_shape = jax.ShapeDtypeStruct((m, n), x.dtype)
+        out_spec = pl.BlockSpec((bs.block_m, bs.block_n), lambda i, j, s: (i, j))
+    else:
+        out_shape = jax.ShapeDtypeStruct((split, m, n), jnp.float32)
+        out_spec = pl.BlockSpec((None, bs.block_m, bs.block_n), lambda i, j, s: (s, i, j))
+    out = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=[
+            pl.BlockSpec((bs.block_m, k), lambda i, j, s: (i, 0)),
+            pl.BlockSpec((bs.block_n, kw), lambda i, j, s: (j, 0)),
+            pl.BlockSpec((bs.block_n, k // group_size), lambda i, j, s: (j, 0)),
+            pl.BlockSpec((bs.block_n, k // group_size), lambda i, j, s: (j, 0)),
+        ],
+        out_specs=out_spec,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
+        interpret=interpret,
+        name="qmatmul",
+    )(x, weight, scales, biases)
+    if split == 1:
+        return out
+    acc = out[0]
+    for s in range(1, split):  # fixed order, elementwise: identical for every row and every M
+        acc = acc + out[s]
+    return acc.astype(x.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_sizes", "interpret"))
+def qmatmul(
+    x: jax.Array,
+    weight: jax.Array,
+    scales: jax.Array,
+    biases: jax.Array,
+    *,
+    bits: int = 4,
+    group_size: int = 64,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """``x [..., K] @ dequantize(weight).T -> [..., N]`` in ``x.dtype``; recompiles per shape/static arg."""
+    n = weight.shape[0]
+    k = x.shape[-1]
+    bs = block_sizes or BlockSizes.for_weight(n, k, group_size)
+    x2 = x.reshape(-1, k)
+    _check_shapes(x2, weight, scales, biases, bits, group_size, bs)
+    out = _qmatmul_call(
+        x2, weight, scales, biases, bits=bits, group_size=group_size, bs=bs, interpret=interpret
+    )
+    return out.reshape(*x.shape[:-1], n)
+
+
+def reference(x, weight, scales, biases, *, bits: int = 4, group_size: int = 64) -> jax.Array:
+    """Plain XLA: dequantize, then dot with float32 accumulation."""
+    return quant.qmatmul_reference(x, weight, scales, biases, bits, group_size)

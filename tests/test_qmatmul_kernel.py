@@ -1,0 +1,131 @@
+"""The Pallas 4/8-bit matmul equals the XLA reference and is row-invariant.
+
+Each case runs in interpret mode on the CPU (default) and compiled on a GPU under `-m gpu`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import qmatmul as qm
+from tfjax import quant
+
+SMALL = qm.BlockSizes(block_m=16, block_n=16, block_k=128, split_k=2, num_warps=4, num_stages=2)
+
+
+def _weights(rng, n, k, bits, group_size, dtype):
+    w = jnp.asarray(rng.standard_normal((n, k)) * 0.05, jnp.float32)
+    weight, scales, biases = quant.quantize(w, bits, group_size)
+    return weight, scales.astype(dtype), biases.astype(dtype)
+
+
+def _rel_err(y, r):
+    y, r = np.asarray(y, np.float64), np.asarray(r, np.float64)
+    return np.linalg.norm(y - r) / np.linalg.norm(r)
+
+
+def _check_matches_reference(m, n, k, bits, group_size, dtype, block_sizes, interpret, seed):
+    rng = np.random.default_rng(seed)
+    weight, scales, biases = _weights(rng, n, k, bits, group_size, dtype)
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    y = qm.qmatmul(
+        x,
+        weight,
+        scales,
+        biases,
+        bits=bits,
+        group_size=group_size,
+        block_sizes=block_sizes,
+        interpret=interpret,
+    )
+    r = qm.reference(x, weight, scales, biases, bits=bits, group_size=group_size)
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert np.isfinite(np.asarray(y, np.float32)).all()
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    assert _rel_err(y, r) < tol
+
+
+def _check_rows_invariant(m_values, n, k, block_sizes, dtype, interpret, seed):
+    rng = np.random.default_rng(seed)
+    weight, scales, biases = _weights(rng, n, k, 4, 64, dtype)
+    f = lambda x: qm.qmatmul(x, weight, scales, biases, block_sizes=block_sizes, interpret=interpret)
+    x_all = jnp.asarray(rng.standard_normal((max(m_values), k)), dtype)
+    alone = np.stack([np.asarray(f(x_all[i : i + 1]))[0] for i in range(max(m_values))])
+    for m in m_values:
+        others = jnp.asarray(rng.standard_normal((m, k)), dtype)  # fresh neighbours for each M
+        for i in range(m):
+            batch = np.asarray(f(others.at[i].set(x_all[i])))
+            np.testing.assert_array_equal(batch[i], alone[i], err_msg=f"row {i} of M={m}")
+
+
+@pytest.mark.parametrize(
+    "m,bits,group_size",
+    [(1, 4, 64), (17, 4, 32), (5, 4, 128), (16, 8, 64)],
+)
+def test_interpret_matches_reference(m, bits, group_size):
+    _check_matches_reference(m, 32, 256, bits, group_size, jnp.float32, SMALL, True, seed=m + bits)
+
+
+def test_interpret_default_block_sizes_match_reference_in_bf16():
+    _check_matches_reference(3, 64, 512, 4, 64, jnp.bfloat16, None, True, seed=5)
+
+
+def test_interpret_rows_bit_identical_whatever_m_and_neighbours():
+    _check_rows_invariant((3, 16), 32, 256, SMALL, jnp.float32, True, seed=9)
+
+
+def test_leading_dims_of_x_are_flattened():
+    rng = np.random.default_rng(4)
+    weight, scales, biases = _weights(rng, 32, 256, 4, 64, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((2, 3, 256)), jnp.float32)
+    y = qm.qmatmul(x, weight, scales, biases, block_sizes=SMALL, interpret=True)
+    assert y.shape == (2, 3, 32)
+    np.testing.assert_allclose(
+        np.asarray(y), np.asarray(qm.reference(x, weight, scales, biases)), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_bad_shapes_raise_naming_the_value():
+    rng = np.random.default_rng(6)
+    weight, scales, biases = _weights(rng, 40, 256, 4, 64, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((2, 256)), jnp.float32)
+    with pytest.raises(ValueError, match="N=40"):  # ragged N is refused, not silently dropped
+        qm.qmatmul(x, weight, scales, biases, block_sizes=SMALL, interpret=True)
+    weight, scales, biases = _weights(rng, 32, 256, 4, 64, jnp.float32)
+    with pytest.raises(ValueError, match="K=128"):
+        qm.qmatmul(x[:, :128], weight, scales, biases, block_sizes=SMALL, interpret=True)
+    with pytest.raises(ValueError, match="bits=3"):
+        qm.qmatmul(x, weight, scales, biases, bits=3, block_sizes=SMALL, interpret=True)
+    with pytest.raises(ValueError, match="block_k=32"):
+        bs = qm.BlockSizes(block_n=16, block_k=32)
+        qm.qmatmul(x, weight, scales, biases, block_sizes=bs, interpret=True)
+
+
+def test_block_sizes_depend_on_weight_shape_only():
+    bs = qm.BlockSizes.for_weight(5120, 17408, 64)
+    assert bs.block_k == 256 and (5120 // bs.block_n) * bs.split_k >= 256
+    assert qm.BlockSizes.for_weight(17408, 5120, 64).split_k == 1
+
+
+# The same cases compiled on a GPU: `pytest -m gpu tests/test_qmatmul_kernel.py` on the device.
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "m,bits,group_size",
+    [(1, 4, 64), (17, 4, 32), (5, 4, 128), (16, 8, 64), (129, 4, 64), (512, 4, 64)],
+)
+def test_gpu_matches_reference(m, bits, group_size):
+    assert jax.default_backend() == "gpu"
+    _check_matches_reference(m, 4096, 2048, bits, group_size, jnp.bfloat16, None, False, seed=m)
+
+
+@pytest.mark.gpu
+def test_gpu_small_blocks_match_reference():
+    _check_matches_reference(17, 32, 256, 4, 64, jnp.bfloat16, SMALL, False, seed=3)
+
+
+@pytest.mark.gpu
+def test_gpu_rows_bit_identical_whatever_m_and_neighbours():
+    _check_rows_invariant((2, 5, 16, 33), 5120, 4096, None, jnp.bfloat16, False, seed=9)

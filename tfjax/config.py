@@ -16,6 +16,19 @@ class ConfigError(ValueError):
     """A config.json that tfjax cannot serve."""
 
 
+_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+             ("language_model.lm_head", "lm_head"), ("language_model.", ""))
+
+
+def canonical_key(key: str) -> str:
+    """A checkpoint key or module path without VLM prefixes, MLX's `switch_mlp` renamed `experts`."""
+    for old, new in _PREFIXES:
+        if key.startswith(old):
+            key = new + key[len(old):]
+            break
+    return key.replace(".switch_mlp.", ".experts.").replace(".switch_mlp", ".experts")
+
+
 @dataclasses.dataclass(frozen=True)
 class QuantConfig:
     """MLX affine quantization: a default and per-layer overrides (path -> (bits, group) or None)."""
@@ -26,8 +39,9 @@ class QuantConfig:
 
     def for_layer(self, path: str) -> tuple[int, int] | None:
         """(bits, group) for a module path, or None when that module is not quantized."""
+        path = canonical_key(path)
         for key, value in self.overrides:
-            if key == path:
+            if canonical_key(key) == path:
                 return value
         return (self.bits, self.group_size)
 

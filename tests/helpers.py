@@ -1,0 +1,64 @@
+"""Shared test helpers: tiny random transformers models saved as checkpoints, and our forward loop."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from tfjax.config import ModelConfig
+from tfjax.models.layers import PROMPT, ROWS
+
+
+def hf_config(config: ModelConfig):
+    """The transformers text config equal to a tfjax geometry."""
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+
+    d = config.to_dict()
+    d.pop("model_type")
+    d.pop("dtype")
+    cls = Qwen3_5MoeTextConfig if config.is_moe else Qwen3_5TextConfig
+    keep = {k: v for k, v in d.items() if k in cls.__dataclass_fields__ or k in ("rope_parameters",)}
+    return cls(**keep)
+
+
+def make_hf_checkpoint(config: ModelConfig, out: Path, seed: int = 0):
+    """A random transformers model for `config`, perturbed so no parameter sits at its init, saved."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
+
+    torch.manual_seed(seed)
+    cls = Qwen3_5MoeForCausalLM if config.is_moe else Qwen3_5ForCausalLM
+    model = cls(hf_config(config)).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(("dt_bias", "A_log")):
+                p.add_(torch.randn_like(p) * 0.1)
+            else:
+                p.normal_(0, 0.5 / max(p.shape[-1], 1) ** 0.5 if p.ndim > 1 else 0.1)
+    model.save_pretrained(out, safe_serialization=True)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["dtype"] = "float32"
+    (out / "config.json").write_text(json.dumps(cfg))
+    return model
+
+
+def prefill_then_steps(model, tokens: np.ndarray, n_prompt: int, context: int = 128) -> np.ndarray:
+    """Logits [T, V] from a prompt prefill (all rows) then single cached steps."""
+    import dataclasses
+
+    from tfjax import models
+
+    graphdef, params = models.split(model)
+    cache = model.init_cache(1, context)
+    prompt = jnp.asarray(tokens[None, :n_prompt])
+    mode = dataclasses.replace(PROMPT, last_only=False)
+    logits, cache, _ = models.forward(graphdef, params, prompt, jnp.array([0]), jnp.array([n_prompt]), cache, mode)
+    rows = [np.asarray(logits[0])]
+    for i in range(n_prompt, len(tokens)):
+        lg, cache, _ = models.forward(graphdef, params, jnp.asarray(tokens[None, i : i + 1]), jnp.array([i]), jnp.array([1]), cache,
+                                       ROWS)
+        rows.append(np.asarray(lg[0]))
+    return np.concatenate(rows, axis=0)

@@ -1,0 +1,86 @@
+"""Gated DeltaNet recurrences (plain jax.numpy): the per-token step, its scan, and the chunked prompt form.
+
+State S [B, Hv, Dk, Dv] is f32. One step at a token with q, k [B, Hv, Dk], v [B, Hv, Dv], g, beta [B, Hv]:
+S <- S * exp(g); S <- S + k (x) beta * (v - k.S); o = q.S. Plain decoding, verify rows and replay all use
+`step`, so a row's output never depends on how many rows were verified with it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def step(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array,
+         beta: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One recurrent step; returns (new state, output [B, Hv, Dv])."""
+    state = state * jnp.exp(g)[..., None, None]
+    kv_mem = jnp.sum(state * k[..., :, None], axis=-2)  # [B, Hv, Dv]
+    delta = (v - kv_mem) * beta[..., None]
+    state = state + k[..., :, None] * delta[..., None, :]
+    out = jnp.sum(state * q[..., :, None], axis=-2)
+    return state, out
+
+
+def recurrent(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
+              count: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Scan `step` over rows (axis 1 of q, k, v [B, T, Hv, D] and g, beta [B, T, Hv]).
+
+    With `count` [B], only each lane's first count rows update the state (replay after acceptance).
+    """
+    t = q.shape[1]
+
+    def body(s, xs):
+        i, qi, ki, vi, gi, bi = xs
+        s_new, o = step(s, qi, ki, vi, gi, bi)
+        if count is not None:
+            s_new = jnp.where((i < count)[:, None, None, None], s_new, s)
+        return s_new, o
+
+    xs = (jnp.arange(t), *(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta)))
+    state, out = jax.lax.scan(body, state, xs)
+    return state, jnp.moveaxis(out, 0, 1)
+
+
+def chunked(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
+            chunk: int = 64) -> tuple[jax.Array, jax.Array]:
+    """The chunked (WY / UT-transform) form for prompts; equals `recurrent` up to rounding."""
+    b, t, h, dk = k.shape
+    dv = v.shape[-1]
+    pad = (-t) % chunk
+    if pad:
+        q, k, v = (jnp.pad(a, ((0, 0), (0, pad), (0, 0), (0, 0))) for a in (q, k, v))
+        g, beta = (jnp.pad(a, ((0, 0), (0, pad), (0, 0))) for a in (g, beta))
+    n = (t + pad) // chunk
+    # [B, H, N, C, D]
+    q, k, v = (a.reshape(b, n, chunk, h, -1).transpose(0, 3, 1, 2, 4) for a in (q, k, v))
+    g, beta = (a.reshape(b, n, chunk, h).transpose(0, 3, 1, 2) for a in (g, beta))
+    kb, vb = k * beta[..., None], v * beta[..., None]
+    cum = jnp.cumsum(g, axis=-1)  # [B, H, N, C]
+    lower = jnp.tril(jnp.ones((chunk, chunk), bool))
+    diff = cum[..., :, None] - cum[..., None, :]
+    decay = jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)  # [.., C, C], i >= j
+    strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
+    a = jnp.where(strict, -(kb @ jnp.swapaxes(k, -1, -2)) * decay, 0.0)
+    # (I - A)^-1 by forward substitution over rows; A is strictly lower triangular.
+    eye = jnp.eye(chunk, dtype=a.dtype)
+    tinv = jax.scipy.linalg.solve_triangular(eye - a, jnp.broadcast_to(eye, a.shape), lower=True,
+                                             unit_diagonal=True)
+    u = tinv @ vb  # new values
+    w = tinv @ (kb * jnp.exp(cum)[..., None])  # decayed keys that read the old state
+    attn = jnp.where(lower, (q @ jnp.swapaxes(k, -1, -2)) * decay, 0.0)
+    qd = q * jnp.exp(cum)[..., None]
+    kd = k * jnp.exp(cum[..., -1:] - cum)[..., None]
+    last = jnp.exp(cum[..., -1])  # [B, H, N]
+
+    def body(s, xs):
+        ui, wi, qi, ki, ai, li = xs
+        v_new = ui - wi @ s
+        o = qi @ s + ai @ v_new
+        s = s * li[..., None, None] + jnp.swapaxes(ki, -1, -2) @ v_new
+        return s, o
+
+    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (u, w, qd, kd, attn, last))
+    state, out = jax.lax.scan(body, state, xs)  # out [N, B, H, C, Dv]
+    out = out.transpose(1, 0, 3, 2, 4).reshape(b, n * chunk, h, dv)[:, :t]
+    return state, out

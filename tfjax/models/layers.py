@@ -1,0 +1,240 @@
+"""Layers shared by every family: norms, (quantized) linears, embeddings, rotary, paged attention, MLP.
+
+Parameter names mirror Hugging Face checkpoint keys (`q_proj.weight`), so loading is a thin mapping.
+Shapes: B lanes, T rows per lane, D hidden, H query heads, G kv heads, E head dim, S cache positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tfjax import ops
+from tfjax.config import ModelConfig
+
+
+def dtype_of(config: ModelConfig) -> jnp.dtype:
+    return jnp.dtype(config.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """How a forward runs: `rows` = lane-round rows (row-invariant, recurrent DeltaNet), else prompt."""
+
+    rows: bool = False
+    last_only: bool = False  # logits for each lane's last valid row only
+
+
+PROMPT = Mode(rows=False, last_only=True)
+ROWS = Mode(rows=True)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm in f32; `offset` is Qwen3.5's (1 + weight) convention with zero-initialised weight."""
+
+    def __init__(self, dim: int, eps: float, *, offset: bool, dtype, rngs: nnx.Rngs | None = None):
+        init = jnp.zeros if offset else jnp.ones
+        self.weight = nnx.Param(init((dim,), dtype))
+        self.eps, self.offset = eps, offset
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        w = self.weight[...].astype(jnp.float32)
+        if self.offset:
+            return (xf * (1.0 + w)).astype(x.dtype)
+        return (w * xf.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)
+
+
+class Linear(nnx.Module):
+    """y = x @ W.T (+ b); W [out, in] dense, or MLX affine-quantized (weight/scales/biases)."""
+
+    def __init__(self, d_in: int, d_out: int, *, bias: bool = False, quant: tuple[int, int] | None = None,
+                 dtype, rngs: nnx.Rngs):
+        self.quant = quant
+        if quant is None:
+            w = jax.random.normal(rngs.params(), (d_out, d_in), jnp.float32) * (1.0 / d_in**0.5)
+            self.weight = nnx.Param(w.astype(dtype))
+        else:
+            bits, group = quant
+            self.weight = nnx.Param(jax.random.bits(rngs.params(), (d_out, d_in * bits // 32), jnp.uint32))
+            self.scales = nnx.Param(jnp.full((d_out, d_in // group), 0.02 / 2**bits, dtype))
+            self.biases = nnx.Param(jnp.full((d_out, d_in // group), -0.01, dtype))
+        self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
+
+    def __call__(self, x: jax.Array, rows: bool = False) -> jax.Array:
+        if self.quant is None:
+            y = ops.matmul(x, self.weight[...], rows=rows)
+        else:
+            bits, group = self.quant
+            y = ops.qmatmul(x, self.weight[...], self.scales[...], self.biases[...], bits=bits,
+                            group_size=group, rows=rows)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(y.dtype)
+        return y
+
+
+class Embedding(nnx.Module):
+    """Token embedding [V, D], dense or quantized; `attend` reuses it as a tied lm_head."""
+
+    def __init__(self, vocab: int, dim: int, *, quant: tuple[int, int] | None, dtype, rngs: nnx.Rngs):
+        self.table = Linear(dim, vocab, quant=quant, dtype=dtype, rngs=rngs)
+        self.dtype = dtype
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        t = self.table
+        if t.quant is None:
+            return jnp.take(t.weight[...], ids, axis=0).astype(self.dtype)
+        from tfjax import quant
+
+        bits, group = t.quant
+        rows = quant.dequantize(jnp.take(t.weight[...], ids, axis=0), jnp.take(t.scales[...], ids, axis=0),
+                                jnp.take(t.biases[...], ids, axis=0), bits=bits, group_size=group,
+                                dtype=self.dtype)
+        return rows
+
+    def attend(self, x: jax.Array, rows: bool = False) -> jax.Array:
+        return self.table(x, rows=rows)
+
+
+def rotary(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float) -> jax.Array:
+    """Rotate the first `rotary_dim` dims of x [B, T, N, E] (half-split convention) at `positions` [B, T]."""
+    half = rotary_dim // 2
+    inv = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+    ang = positions.astype(jnp.float32)[..., None] * inv  # [B, T, half]
+    cos = jnp.cos(ang).astype(x.dtype)[:, :, None, :]
+    sin = jnp.sin(ang).astype(x.dtype)[:, :, None, :]
+    x1, x2, rest = x[..., :half], x[..., half:rotary_dim], x[..., rotary_dim:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVPages:
+    """One attention layer's paged KV pool: k, v [P, page, G, E]; lanes map positions via a page table."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+def write_pages(pages: KVPages, k: jax.Array, v: jax.Array, page_table: jax.Array,
+                positions: jax.Array) -> KVPages:
+    """Store k, v [B, T, G, E] at absolute `positions` [B, T] through `page_table` [B, n]."""
+    page = pages.k.shape[1]
+    slot = jnp.clip(positions // page, 0, page_table.shape[1] - 1)
+    pid = jnp.take_along_axis(page_table, slot, axis=1)  # [B, T]
+    # Positions past the lane's pages go to an out-of-range page and are dropped.
+    pid = jnp.where(positions // page < page_table.shape[1], pid, pages.k.shape[0])
+    off = positions % page
+    kk = pages.k.at[pid, off].set(k.astype(pages.k.dtype), mode="drop")
+    vv = pages.v.at[pid, off].set(v.astype(pages.v.dtype), mode="drop")
+    return KVPages(kk, vv)
+
+
+def gather_pages(pages: KVPages, page_table: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A lane's keys and values in position order: [B, S, G, E] with S = n * page."""
+    b, n = page_table.shape
+    k = pages.k[page_table].reshape(b, -1, *pages.k.shape[2:])
+    v = pages.v[page_table].reshape(b, -1, *pages.v.shape[2:])
+    return k, v
+
+
+def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array) -> jax.Array:
+    """Causal GQA attention of q [B, T, H, E] over k, v [B, S, G, E]; key s is seen by a row at p iff s <= p."""
+    b, t, h, e = q.shape
+    g = k.shape[2]
+    qg = q.reshape(b, t, g, h // g, e)
+    s = jnp.einsum("btgre,bsge->bgrts", qg, k.astype(q.dtype), preferred_element_type=jnp.float32)
+    s = s * (e**-0.5)
+    keys = jnp.arange(k.shape[1])
+    mask = keys[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    s = jnp.where(mask[:, None, None], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bgrts,bsge->btgre", p.astype(q.dtype), v.astype(q.dtype), preferred_element_type=jnp.float32)
+    return o.reshape(b, t, h, e).astype(q.dtype)
+
+
+def paged_attention(q: jax.Array, pages: KVPages, page_table: jax.Array, positions: jax.Array) -> jax.Array:
+    """Attention of q rows over a lane's pages (kernel on GPU, reference elsewhere)."""
+    if ops.use_kernels():
+        try:
+            from pallas_kernels import attention as pk
+        except ImportError:
+            pk = None
+        if pk is not None and hasattr(pk, "paged_attention"):
+            return pk.paged_attention(q, pages.k, pages.v, page_table, positions)
+    k, v = gather_pages(pages, page_table)
+    return attention_reference(q, k, v, positions)
+
+
+class Attention(nnx.Module):
+    """GQA attention with optional q/k norms, partial rotary and sigmoid output gate (Qwen3.5)."""
+
+    def __init__(self, config: ModelConfig, quant_for, prefix: str, *, rngs: nnx.Rngs):
+        c, dt = config, dtype_of(config)
+        self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.gated = c.attn_output_gate
+        self.rotary_dim, self.theta = c.rotary_dim, c.rope_theta
+        q_out = c.num_attention_heads * c.head_dim * (2 if self.gated else 1)
+        kv_out = c.num_key_value_heads * c.head_dim
+        bias = c.qkv_bias or c.attention_bias
+        self.q_proj = Linear(c.hidden_size, q_out, bias=bias, quant=quant_for(f"{prefix}.q_proj"), dtype=dt, rngs=rngs)
+        self.k_proj = Linear(c.hidden_size, kv_out, bias=bias, quant=quant_for(f"{prefix}.k_proj"), dtype=dt, rngs=rngs)
+        self.v_proj = Linear(c.hidden_size, kv_out, bias=bias, quant=quant_for(f"{prefix}.v_proj"), dtype=dt, rngs=rngs)
+        self.o_proj = Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.attention_bias,
+                             quant=quant_for(f"{prefix}.o_proj"), dtype=dt, rngs=rngs)
+        if c.model_type in ("qwen3_5", "qwen3_5_moe"):
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, offset=True, dtype=dt)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, offset=True, dtype=dt)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def __call__(self, x: jax.Array, positions: jax.Array, pages: KVPages, page_table: jax.Array,
+                 mode: Mode) -> tuple[jax.Array, KVPages]:
+        b, t, _ = x.shape
+        q = self.q_proj(x, mode.rows)
+        if self.gated:
+            q = q.reshape(b, t, self.heads, 2 * self.head_dim)
+            q, gate = q[..., : self.head_dim], q[..., self.head_dim :]
+            gate = gate.reshape(b, t, -1)
+        else:
+            q = q.reshape(b, t, self.heads, self.head_dim)
+        k = self.k_proj(x, mode.rows).reshape(b, t, self.kv_heads, self.head_dim)
+        v = self.v_proj(x, mode.rows).reshape(b, t, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = rotary(q, positions, self.rotary_dim, self.theta)
+        k = rotary(k, positions, self.rotary_dim, self.theta)
+        pages = write_pages(pages, k, v, page_table, positions)
+        o = paged_attention(q, pages, page_table, positions).reshape(b, t, -1)  # [B, T, H*E]
+        if self.gated:
+            o = o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(o.dtype)
+        return self.o_proj(o, mode.rows), pages
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, d: int, hidden: int, quant_for, prefix: str, *, dtype, rngs: nnx.Rngs):
+        self.gate_proj = Linear(d, hidden, quant=quant_for(f"{prefix}.gate_proj"), dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(d, hidden, quant=quant_for(f"{prefix}.up_proj"), dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(hidden, d, quant=quant_for(f"{prefix}.down_proj"), dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array, rows: bool = False) -> jax.Array:
+        h = jax.nn.silu(self.gate_proj(x, rows)) * self.up_proj(x, rows)
+        return self.down_proj(h, rows)
+
+
+def quant_lookup(config: ModelConfig):
+    """A function module-path -> (bits, group) or None, from the config's quantization section."""
+    q = config.quantization
+
+    def lookup(path: str) -> tuple[int, int] | None:
+        if q is None:
+            return None
+        return q.for_layer(path)
+
+    return lookup

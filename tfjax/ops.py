@@ -1,0 +1,76 @@
+"""The one dispatch point for heavy ops: a Pallas kernel on GPU, the jax.numpy reference elsewhere.
+
+Row invariance: on the reference path a matmul over "rows" is computed in fixed tiles of `ROW_TILE`
+rows, so a row's result depends only on its own values and the weight's shape, never on how many
+rows share the call or where it sits among them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+
+ROW_TILE = 8
+
+_FORCE = os.environ.get("TFJAX_KERNELS", "auto")  # auto | kernel | reference
+
+
+def use_kernels() -> bool:
+    """True when the Pallas kernels should run (GPU backend, unless forced off)."""
+    if _FORCE == "reference":
+        return False
+    if _FORCE == "kernel":
+        return True
+    return jax.default_backend() == "gpu"
+
+
+def set_kernels(mode: str) -> None:
+    """Force `kernel`, `reference` or `auto` dispatch (takes effect for new traces)."""
+    global _FORCE
+    if mode not in ("auto", "kernel", "reference"):
+        raise ValueError(f"kernel mode must be auto, kernel or reference, got {mode!r}")
+    _FORCE = mode
+
+
+def _dot_t(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., in] @ w[out, in].T with f32 accumulation, result in x.dtype."""
+    y = jax.lax.dot_general(x, w.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
+
+
+def row_tiled(fn, x: jax.Array, tile: int = ROW_TILE) -> jax.Array:
+    """Apply fn (rows [tile, in] -> [tile, out]) over fixed row tiles, so each row's arithmetic is fixed."""
+    lead, d = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, d)
+    m = rows.shape[0]
+    pad = (-m) % tile
+    rows = jnp.pad(rows, ((0, pad), (0, 0)))
+    tiles = rows.reshape(-1, tile, d)
+    out = jax.lax.map(fn, tiles)
+    out = out.reshape(-1, out.shape[-1])[:m]
+    return out.reshape(*lead, out.shape[-1])
+
+
+def matmul(x: jax.Array, w: jax.Array, *, rows: bool = False) -> jax.Array:
+    """x [..., in] @ w[out, in].T; `rows` asks for row-invariant arithmetic (lane rounds)."""
+    if rows:
+        return row_tiled(lambda t: _dot_t(t, w), x)
+    return _dot_t(x, w)
+
+
+def qmatmul(x: jax.Array, weight: jax.Array, scales: jax.Array, biases: jax.Array, *, bits: int,
+            group_size: int, rows: bool = False) -> jax.Array:
+    """x [..., in] @ dequant(weight)[out, in].T for MLX affine weights."""
+    if use_kernels():
+        from pallas_kernels import qmatmul as qk
+
+        lead = x.shape[:-1]
+        y = qk.qmatmul(x.reshape(-1, x.shape[-1]), weight, scales, biases, bits=bits, group_size=group_size)
+        return y.reshape(*lead, y.shape[-1])
+    from tfjax import quant
+
+    w = quant.dequantize(weight, scales, biases, bits=bits, group_size=group_size, dtype=x.dtype)
+    return matmul(x, w, rows=rows)

@@ -1,0 +1,216 @@
+"""Keyed sampling: greedy is argmax, draws depend only on (seed, position, logits), filters are exact."""
+
+from __future__ import annotations
+
+import hashlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tfjax.sampling import SamplingParams, default_seed, gumbel_noise, sample, token_sha256
+
+sample_jit = jax.jit(sample)
+
+
+def _logits(rng: np.random.Generator, shape: tuple[int, ...]) -> jnp.ndarray:
+    return jnp.asarray(rng.normal(size=shape).astype(np.float32) * 3)
+
+
+def _draws(logits_row: np.ndarray, n: int, **params) -> np.ndarray:
+    """n sampled tokens for the same logits at positions 0..n-1, one lane, n rows."""
+    logits = jnp.broadcast_to(jnp.asarray(logits_row, jnp.float32), (1, n, len(logits_row)))
+    positions = jnp.arange(n, dtype=jnp.int32)[None, :]
+    return np.asarray(sample_jit(logits, positions, SamplingParams.create(1, **params)))[0]
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def test_greedy_equals_argmax():
+    rng = np.random.default_rng(0)
+    logits = _logits(rng, (3, 4, 50))
+    positions = jnp.asarray(rng.integers(0, 1000, (3, 4)), jnp.int32)
+    params = SamplingParams.create(3, temperature=0.0, top_k=[0, 3, 1], top_p=[1.0, 0.5, 0.9], seed=[1, 2, 3])
+    tokens = sample_jit(logits, positions, params)
+    np.testing.assert_array_equal(tokens, np.argmax(np.asarray(logits), axis=-1))
+
+
+def test_greedy_lanes_beside_sampled_lanes_stay_argmax():
+    rng = np.random.default_rng(1)
+    logits = _logits(rng, (4, 3, 40))
+    positions = jnp.asarray(rng.integers(0, 1000, (4, 3)), jnp.int32)
+    params = SamplingParams.create(4, temperature=[0.0, 1.0, 0.0, 0.7], seed=[5, 6, 7, 8])
+    tokens = np.asarray(sample_jit(logits, positions, params))
+    greedy = np.argmax(np.asarray(logits), axis=-1)
+    np.testing.assert_array_equal(tokens[[0, 2]], greedy[[0, 2]])
+
+
+def test_sampled_token_matches_the_keyed_formula():
+    rng = np.random.default_rng(2)
+    logits = _logits(rng, (2, 3, 30))
+    positions = jnp.asarray(rng.integers(0, 10_000, (2, 3)), jnp.int32)
+    params = SamplingParams.create(2, temperature=[0.8, 1.3], seed=[11, 4_000_000_000])
+    tokens = np.asarray(sample_jit(logits, positions, params))
+    for lane in range(2):
+        for row in range(3):
+            key = jax.random.fold_in(
+                jax.random.fold_in(jax.random.key(0), params.seed[lane]), positions[lane, row]
+            )
+            noise = jax.random.gumbel(key, (30,), dtype=jnp.float32)
+            expect = np.argmax(np.asarray(logits[lane, row] / params.temperature[lane] + noise))
+            assert tokens[lane, row] == expect
+
+
+@pytest.mark.parametrize("filters", [{}, {"top_k": 7}, {"top_p": 0.8}, {"min_p": 0.05}])
+def test_same_seed_position_and_logits_give_same_token_wherever_placed(filters):
+    rng = np.random.default_rng(3)
+    vocab = 64
+    for trial in range(8):
+        row = _logits(rng, (vocab,))
+        seed, position = int(rng.integers(0, 2**31)), int(rng.integers(0, 100_000))
+        alone = sample_jit(
+            row[None, None],
+            jnp.array([[position]], jnp.int32),
+            SamplingParams.create(1, 1.0, seed=seed, **filters),
+        )
+        lanes, rows = (4, 3) if trial % 2 else (2, 5)  # two batch shapes: few compiles
+        lane, slot = int(rng.integers(0, lanes)), int(rng.integers(0, rows))
+        batch = np.array(_logits(rng, (lanes, rows, vocab)))
+        batch[lane, slot] = np.asarray(row)
+        positions = np.asarray(rng.integers(0, 100_000, (lanes, rows)), np.int32)
+        positions[lane, slot] = position
+        seeds = rng.integers(0, 2**31, lanes)
+        seeds[lane] = seed
+        kw = {k: [v] * lanes for k, v in filters.items()}
+        placed = sample_jit(
+            jnp.asarray(batch), jnp.asarray(positions), SamplingParams.create(lanes, 1.0, seed=seeds, **kw)
+        )
+        assert int(placed[lane, slot]) == int(alone[0, 0])
+
+
+def test_different_positions_give_different_draws():
+    rng = np.random.default_rng(4)
+    row = np.zeros(1000, np.float32) + rng.normal(size=1000).astype(np.float32) * 0.01  # near-uniform
+    draws = _draws(row, 500, temperature=1.0, seed=9)
+    assert len(set(draws.tolist())) > 300
+    noise_a = gumbel_noise(jnp.uint32(9), jnp.int32(10), 100)
+    noise_b = gumbel_noise(jnp.uint32(9), jnp.int32(11), 100)
+    noise_c = gumbel_noise(jnp.uint32(10), jnp.int32(10), 100)
+    assert not np.array_equal(noise_a, noise_b) and not np.array_equal(noise_a, noise_c)
+
+
+def test_top_k_one_equals_greedy():
+    rng = np.random.default_rng(5)
+    logits = _logits(rng, (3, 5, 80))
+    positions = jnp.asarray(rng.integers(0, 1000, (3, 5)), jnp.int32)
+    tokens = sample_jit(logits, positions, SamplingParams.create(3, temperature=1.5, top_k=1, seed=[1, 2, 3]))
+    np.testing.assert_array_equal(tokens, np.argmax(np.asarray(logits), axis=-1))
+
+
+def test_small_top_p_equals_greedy():
+    rng = np.random.default_rng(6)
+    logits = _logits(rng, (3, 5, 80))
+    positions = jnp.asarray(rng.integers(0, 1000, (3, 5)), jnp.int32)
+    tokens = sample_jit(
+        logits, positions, SamplingParams.create(3, temperature=1.0, top_p=1e-6, seed=[1, 2, 3])
+    )
+    np.testing.assert_array_equal(tokens, np.argmax(np.asarray(logits), axis=-1))
+
+
+def _check_frequencies(draws: np.ndarray, allowed: np.ndarray, probs: np.ndarray, tol: float = 0.05) -> None:
+    assert set(draws.tolist()) <= set(allowed.tolist()), f"drew filtered tokens {set(draws) - set(allowed)}"
+    expect = np.zeros_like(probs)
+    expect[allowed] = probs[allowed] / probs[allowed].sum()
+    freq = np.bincount(draws, minlength=len(probs)) / len(draws)
+    np.testing.assert_allclose(freq, expect, atol=tol)
+
+
+def test_top_k_draws_only_the_top_tokens_with_softmax_frequencies():
+    rng = np.random.default_rng(7)
+    row = rng.normal(size=8).astype(np.float32)
+    draws = _draws(row, 2000, temperature=1.0, top_k=4, seed=123)
+    allowed = np.argsort(-row, kind="stable")[:4]
+    _check_frequencies(draws, allowed, _softmax(row))
+
+
+def test_unfiltered_draws_follow_softmax_at_temperature():
+    rng = np.random.default_rng(8)
+    row = rng.normal(size=6).astype(np.float32)
+    draws = _draws(row, 2000, temperature=0.7, seed=77)
+    _check_frequencies(draws, np.arange(6), _softmax(row / 0.7))
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = np.array([0.05, 0.3, 0.5, 0.15], np.float32)
+    row = np.log(probs)
+    draws = _draws(row, 2000, temperature=1.0, top_p=0.7, seed=5)  # 0.5, then 0.8 >= 0.7: keep {2, 1}
+    _check_frequencies(draws, np.array([1, 2]), probs)
+
+
+def test_top_p_ties_keep_the_lower_ids():
+    row = np.full(4, 0.25, np.float32)
+    draws = _draws(row, 2000, temperature=1.0, top_p=0.5, seed=6)  # 0.25 + 0.25 reaches 0.5: ids 0 and 1
+    _check_frequencies(draws, np.array([0, 1]), np.full(4, 0.25))
+
+
+def test_top_p_applies_to_the_top_k_distribution():
+    probs = np.array([0.4, 0.3, 0.2, 0.1], np.float32)
+    # top_k 2 renormalizes to [4/7, 3/7]; top_p 0.5 then keeps only token 0.
+    draws = _draws(np.log(probs), 2000, temperature=1.0, top_k=2, top_p=0.5, seed=3)
+    assert set(draws.tolist()) == {0}
+
+
+def test_min_p_filters_tokens_below_its_share_of_the_top():
+    probs = np.array([0.15, 0.5, 0.05, 0.3], np.float32)
+    draws = _draws(np.log(probs), 2000, temperature=1.0, min_p=0.2, seed=8)  # threshold 0.1: drop 0.05
+    _check_frequencies(draws, np.array([0, 1, 3]), probs)
+
+
+def test_filtered_tokens_never_chosen_at_high_temperature():
+    rng = np.random.default_rng(9)
+    row = rng.normal(size=16).astype(np.float32)
+    draws = _draws(row, 2000, temperature=5.0, top_k=3, seed=10)
+    assert set(draws.tolist()) <= set(np.argsort(-row, kind="stable")[:3].tolist())
+
+
+def test_ties_go_to_the_lower_id():
+    row = np.array([1.0, 3.0, 2.0, 3.0, 3.0], np.float32)
+    assert set(_draws(row, 500, temperature=0.0).tolist()) == {1}
+    assert set(_draws(row, 500, temperature=1.0, top_k=1, seed=2).tolist()) == {1}
+    assert set(_draws(row, 500, temperature=1.0, top_k=2, seed=2).tolist()) == {1, 3}
+
+
+def test_sampling_params_reject_bad_values():
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams.create(2, temperature=-1.0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams.create(2, top_p=0.0)
+    with pytest.raises(ValueError, match="min_p"):
+        SamplingParams.create(2, min_p=1.5)
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams.create(2, top_k=-3)
+
+
+def test_sampling_params_are_a_pytree():
+    params = SamplingParams.create(3, temperature=0.5, seed=[1, 2, 3])
+    leaves = jax.tree_util.tree_leaves(params)
+    assert len(leaves) == 5 and all(leaf.shape == (3,) for leaf in leaves)
+
+
+def test_token_sha256_matches_hashlib():
+    ids = [151644, 872, 198, 0, 248319, 7]
+    expect = hashlib.sha256(b"".join(i.to_bytes(4, "little", signed=True) for i in ids)).hexdigest()
+    assert token_sha256(ids) == expect
+    assert token_sha256(np.array(ids, np.int64)) == expect
+
+
+def test_default_seed_is_a_stable_31_bit_hash_of_the_prompt():
+    prompt = [9707, 11, 1879, 0, 42]
+    seed = default_seed(prompt)
+    digest = hashlib.sha256(b"".join(i.to_bytes(4, "little") for i in prompt)).digest()
+    assert seed == int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+    assert 0 <= seed < 2**31 and default_seed(prompt + [1]) != seed

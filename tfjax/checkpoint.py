@@ -250,22 +250,20 @@ def write_mlx(src: str | Path, out_dir: str | Path, *, bits: int = 4, group_size
     out.mkdir(parents=True, exist_ok=True)
     tensors = {}
     shapes = tensor_shapes(src)
-    for key, value in tqdm(iter_tensors(src), total=len(shapes), desc="quantizing", disable=not progress):
-        key = canonical_key(key)
-        if config.tie_word_embeddings and key.startswith("lm_head."):
-            continue
-        if key.endswith("conv1d.weight") and value.ndim == 3:
-            tensors[key] = jnp.swapaxes(value, 1, 2)  # [C, 1, K] -> [C, K, 1]
-            continue
-        if key.endswith(OFFSET_NORMS) and value.ndim == 1:
-            tensors[key] = (value.astype(jnp.float32) + 1.0).astype(value.dtype)
-            continue
-        if key.endswith(".weight") and value.ndim >= 2 and value.shape[-1] % group_size == 0:
-            w, s, b = quant.quantize(value.astype(jnp.bfloat16), bits=bits, group_size=group_size)
-            stem = key[: -len(".weight")]
-            tensors[stem + ".weight"], tensors[stem + ".scales"], tensors[stem + ".biases"] = w, s, b
-            continue
-        tensors[key] = value
+    source = _Source(config, mlx_layout=False)
+    for raw_key, raw_value in tqdm(iter_tensors(src), total=len(shapes), desc="quantizing", disable=not progress):
+        for key, value in source.convert(raw_key, raw_value):
+            key = key.replace(".mlp.experts.", ".mlp.switch_mlp.")
+            if key.endswith("conv1d.weight"):
+                tensors[key] = value[:, :, None]  # [C, K] -> MLX [C, K, 1]
+            elif key.endswith(OFFSET_NORMS) and value.ndim == 1:
+                tensors[key] = (value.astype(jnp.float32) + 1.0).astype(value.dtype)
+            elif key.endswith(".weight") and value.ndim >= 2 and value.shape[-1] % group_size == 0:
+                w, s, b = quant.quantize(value.astype(jnp.bfloat16), bits=bits, group_size=group_size)
+                stem = key[: -len(".weight")]
+                tensors[stem + ".weight"], tensors[stem + ".scales"], tensors[stem + ".biases"] = w, s, b
+            else:
+                tensors[key] = value
     save_file(tensors, str(out / "model.safetensors"))
     raw = json.loads((src / "config.json").read_text())
     raw["quantization"] = {"group_size": group_size, "bits": bits, "mode": "affine"}
@@ -290,7 +288,7 @@ def save_orbax(model: nnx.Module, config: ModelConfig, out_dir: str | Path) -> P
     return out
 
 
-def restore_orbax(path: str | Path) -> tuple[nnx.Module, ModelConfig]:
+def load_orbax(path: str | Path) -> tuple[nnx.Module, ModelConfig]:
     """Restore parameters saved by `save_orbax`."""
     import orbax.checkpoint as ocp
 

@@ -158,7 +158,7 @@ class SparseMoE(nnx.Module):
         c, dt = config, dtype_of(config)
         self.top_k, self.n_exp = c.num_experts_per_tok, c.num_experts
         self.gate = Linear(c.hidden_size, c.num_experts, quant=quant_for(f"{prefix}.gate"), dtype=dt, rngs=rngs)
-        self.experts = Experts(c, quant_for(f"{prefix}.experts"), rngs=rngs)
+        self.experts = Experts(c, quant_for, f"{prefix}.experts", rngs=rngs)
         self.shared_expert = MLP(c.hidden_size, c.shared_expert_intermediate_size, quant_for,
                                  f"{prefix}.shared_expert", dtype=dt, rngs=rngs)
         self.shared_expert_gate = Linear(c.hidden_size, 1, quant=quant_for(f"{prefix}.shared_expert_gate"),
@@ -179,12 +179,13 @@ class SparseMoE(nnx.Module):
 class Experts(nnx.Module):
     """Stacked expert weights [E, out, in] (gate_proj, up_proj, down_proj), dense or MLX-quantized."""
 
-    def __init__(self, config: ModelConfig, quant: tuple[int, int] | None, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, quant_for, prefix: str, *, rngs: nnx.Rngs):
         c, dt = config, dtype_of(config)
         e, d, i = c.num_experts, c.hidden_size, c.moe_intermediate_size
-        self.quant = quant
+        self.quants = tuple((n, quant_for(f"{prefix}.{n}")) for n in ("gate_proj", "up_proj", "down_proj"))
+        q = dict(self.quants)
 
-        def make(out: int, inp: int):
+        def make(out: int, inp: int, quant):
             if quant is None:
                 w = jax.random.normal(rngs.params(), (e, out, inp), jnp.float32) * inp**-0.5
                 return nnx.Dict(weight=nnx.Param(w.astype(dt)))
@@ -193,14 +194,18 @@ class Experts(nnx.Module):
                             scales=nnx.Param(jnp.full((e, out, inp // group), 0.02 / 2**bits, dt)),
                             biases=nnx.Param(jnp.full((e, out, inp // group), -0.01, dt)))
 
-        self.gate_proj, self.up_proj, self.down_proj = make(i, d), make(i, d), make(d, i)
+        self.gate_proj = make(i, d, q["gate_proj"])
+        self.up_proj = make(i, d, q["up_proj"])
+        self.down_proj = make(d, i, q["down_proj"])
 
-    def _w(self, p, dtype) -> jax.Array:
-        if self.quant is None:
+    def _w(self, name: str, dtype) -> jax.Array:
+        p = getattr(self, name)
+        q = dict(self.quants)[name]
+        if q is None:
             return p["weight"][...].astype(dtype)
         from tfjax import quant
 
-        bits, group = self.quant
+        bits, group = q
         return quant.dequantize(p["weight"][...], p["scales"][...], p["biases"][...], bits=bits,
                                 group_size=group, dtype=dtype)
 
@@ -212,12 +217,12 @@ class Experts(nnx.Module):
         rows = jnp.take(x, order // k, axis=0)
         sizes = jnp.bincount(flat, length=self.gate_proj["weight"].shape[0]).astype(jnp.int32)
 
-        def ragged(h, p):
-            w = jnp.swapaxes(self._w(p, x.dtype), 1, 2)  # [E, in, out]
+        def ragged(h, name):
+            w = jnp.swapaxes(self._w(name, x.dtype), 1, 2)  # [E, in, out]
             return jax.lax.ragged_dot(h, w, sizes, preferred_element_type=jnp.float32).astype(x.dtype)
 
-        h = jax.nn.silu(ragged(rows, self.gate_proj)) * ragged(rows, self.up_proj)
-        out = ragged(h, self.down_proj)  # [N*k, D] in sorted order
+        h = jax.nn.silu(ragged(rows, "gate_proj")) * ragged(rows, "up_proj")
+        out = ragged(h, "down_proj")  # [N*k, D] in sorted order
         out = jnp.zeros_like(out).at[order].set(out).reshape(n, k, -1)
         return jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), weight.astype(jnp.float32)).astype(x.dtype)
 

@@ -70,6 +70,8 @@ def test_incremental_decoder_equals_decode_and_holds_back_partial_utf8(smollm2):
         out.append(dec.push(ids[i : i + n]))
         i += n
     assert "".join(out) + dec.flush() == MIXED_TEXT
+    dec = ours.incremental_decoder(skip_special_tokens=True)
+    assert dec.push(ids) + dec.flush() == ours.decode(ids, skip_special_tokens=True) != MIXED_TEXT
 
 
 def test_smollm2_chat_template_matches_transformers(smollm2):

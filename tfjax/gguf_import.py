@@ -27,6 +27,8 @@ import ml_dtypes
 import numpy as np
 
 GGUF_MAGIC = b"GGUF"
+# Bump when the converted output changes, so cached folders (`packaged.ensure_converted`) are redone.
+CONVERTER_VERSION = 2
 
 
 class GGUFImportError(ValueError):
@@ -91,6 +93,7 @@ def convert_gguf(
     (out_dir / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
     _write_json(out_dir / "tokenizer_config.json", tokenizer_config)
     _write_json(out_dir / "generation_config.json", generation_config)
+    _write_json(out_dir / "tfjax_convert.json", {"converter_version": CONVERTER_VERSION, "source": gguf_path.name})
     _write_json(out_dir / "config.json", config)  # last: its presence marks a finished folder
     return out_dir
 
@@ -385,8 +388,10 @@ def _tokenizer_files(meta: _Metadata, config: dict) -> tuple[str, dict, dict]:
     }
     if "tokenizer.chat_template" in meta:
         tokenizer_config["chat_template"] = meta.get("tokenizer.chat_template")
-    # Stop on end-of-turn / end-of-message as well as EOS, where the GGUF names them.
+    # Stop on end-of-turn / end-of-message as well as EOS, where the GGUF names them, and on the
+    # end-of-document token (Qwen's own generation_config lists <|im_end|> and <|endoftext|>).
     eos = [meta.get(f"tokenizer.ggml.{k}_token_id", None) for k in ("eos", "eot", "eom")]
+    eos += [i for i, t in enumerate(tokens) if t == "<|endoftext|>"]
     eos = list(dict.fromkeys(i for i in eos if i is not None))
     generation_config = {"bos_token_id": config["bos_token_id"], "eos_token_id": eos}
     if "tokenizer.ggml.padding_token_id" in meta:

@@ -7,13 +7,14 @@ them and checks the total size; `ensure_converted` turns that GGUF into a HF-sty
 
 Everything is cached under `$TFJAX_CACHE` (default `~/.cache/tfjax`):
     <cache>/<name>.gguf          the assembled GGUF
-    <cache>/<name>-bf16/         the converted checkpoint (complete once config.json exists)
+    <cache>/<name>-bf16/         the converted checkpoint (redone when tfjax_convert.json is stale)
 Files are written as `*.partial` and renamed when complete, so an interrupted run is redone, not reused.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import json
 import os
 import re
 import shutil
@@ -139,14 +140,16 @@ def ensure_converted(
     """Path to a HF-style folder for `model`, fetching and converting it the first time."""
     from tqdm.auto import tqdm
 
-    from tfjax.gguf_import import convert_gguf
+    from tfjax.gguf_import import CONVERTER_VERSION, convert_gguf
 
     m = _resolve(model)
     root = cache_root(cache_dir)
     suffix = {"bfloat16": "bf16", "float32": "f32"}[dtype]
     out = root / f"{m.name}-{suffix}"
-    if (out / "config.json").is_file():
-        return out
+    stamp = out / "tfjax_convert.json"
+    if (out / "config.json").is_file() and stamp.is_file():
+        if json.loads(stamp.read_text()).get("converter_version") == CONVERTER_VERSION:
+            return out
     gguf_path = fetch_gguf(m, root)
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)

@@ -27,7 +27,13 @@ def recurrent(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax
     """Scan `step` over rows (axis 1 of q, k, v [B, T, Hv, D] and g, beta [B, T, Hv]).
 
     With `count` [B], only each lane's first count rows update the state (replay after acceptance).
+    Lanes run one at a time (fixed shapes), so a lane's arithmetic never depends on how many share the call.
     """
+    if q.shape[0] > 1:
+        n = jnp.full((q.shape[0],), q.shape[1], jnp.int32) if count is None else count
+        s, o = jax.lax.map(lambda xs: recurrent(xs[0][None], *(x[None] for x in xs[1:-1]), count=xs[-1][None]),
+                           (state, q, k, v, g, beta, n))
+        return s[:, 0], o[:, 0]
     t = q.shape[1]
 
     def body(s, xs):

@@ -42,7 +42,7 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        xf = xf / jnp.sqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         w = self.weight[...].astype(jnp.float32)
         if self.offset:
             return (xf * (1.0 + w)).astype(x.dtype)
@@ -142,8 +142,16 @@ def gather_pages(pages: KVPages, page_table: jax.Array) -> tuple[jax.Array, jax.
     return k, v
 
 
-def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array) -> jax.Array:
-    """Causal GQA attention of q [B, T, H, E] over k, v [B, S, G, E]; key s is seen by a row at p iff s <= p."""
+def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
+                        rows: bool = False) -> jax.Array:
+    """Causal GQA attention of q [B, T, H, E] over k, v [B, S, G, E]; key s is seen by a row at p iff s <= p.
+
+    With `rows`, each query row is computed on its own (fixed shapes), so its result never depends on T.
+    """
+    if rows and q.shape[1] > 1:
+        out = jax.lax.map(lambda xs: attention_reference(xs[0][:, None], k, v, xs[1][:, None]),
+                          (jnp.moveaxis(q, 1, 0), jnp.moveaxis(positions, 1, 0)))
+        return jnp.moveaxis(out[:, :, 0], 0, 1)
     b, t, h, e = q.shape
     g = k.shape[2]
     qg = q.reshape(b, t, g, h // g, e)
@@ -157,7 +165,8 @@ def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax
     return o.reshape(b, t, h, e).astype(q.dtype)
 
 
-def paged_attention(q: jax.Array, pages: KVPages, page_table: jax.Array, positions: jax.Array) -> jax.Array:
+def paged_attention(q: jax.Array, pages: KVPages, page_table: jax.Array, positions: jax.Array,
+                    rows: bool = False) -> jax.Array:
     """Attention of q rows over a lane's pages (kernel on GPU, reference elsewhere)."""
     if ops.use_kernels():
         try:
@@ -167,7 +176,7 @@ def paged_attention(q: jax.Array, pages: KVPages, page_table: jax.Array, positio
         if pk is not None and hasattr(pk, "paged_attention"):
             return pk.paged_attention(q, pages.k, pages.v, page_table, positions)
     k, v = gather_pages(pages, page_table)
-    return attention_reference(q, k, v, positions)
+    return attention_reference(q, k, v, positions, rows)
 
 
 class Attention(nnx.Module):
@@ -209,7 +218,7 @@ class Attention(nnx.Module):
         q = rotary(q, positions, self.rotary_dim, self.theta)
         k = rotary(k, positions, self.rotary_dim, self.theta)
         pages = write_pages(pages, k, v, page_table, positions)
-        o = paged_attention(q, pages, page_table, positions).reshape(b, t, -1)  # [B, T, H*E]
+        o = paged_attention(q, pages, page_table, positions, mode.rows).reshape(b, t, -1)  # [B, T, H*E]
         if self.gated:
             o = o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(o.dtype)
         return self.o_proj(o, mode.rows), pages

@@ -53,7 +53,7 @@ class DeltaTrace:
 
 
 def _l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+    return x / jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
 class GatedRMSNorm(nnx.Module):
@@ -65,7 +65,7 @@ class GatedRMSNorm(nnx.Module):
 
     def __call__(self, x: jax.Array, z: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        xf = xf / jnp.sqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         y = self.weight[...] * xf.astype(x.dtype)
         return (y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
 
@@ -107,7 +107,7 @@ class GatedDeltaNet(nnx.Module):
         k = qkv[..., kd : 2 * kd].reshape(b, t, c.linear_num_key_heads, -1).astype(jnp.float32)
         v = qkv[..., 2 * kd : 2 * kd + vd].reshape(b, t, c.linear_num_value_heads, -1).astype(jnp.float32)
         rep = c.linear_num_value_heads // c.linear_num_key_heads
-        q = jnp.repeat(_l2norm(q), rep, axis=2) * (q.shape[-1] ** -0.5)
+        q = jnp.repeat(jax.lax.optimization_barrier(_l2norm(q)), rep, axis=2) * (q.shape[-1] ** -0.5)
         k = jnp.repeat(_l2norm(k), rep, axis=2)
         return DeltaTrace(mixed, q, k, v, None, None)  # g, beta filled by the caller
 

@@ -1,0 +1,139 @@
+"""Lane rounds keep the contract: drafted == plain, concurrent == alone, replay == plain decoding."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from tfjax import geometry, models
+from tfjax.engine import Engine, Request
+from tfjax.lanes.config import LaneConfig
+from tfjax.lanes.drafter import Facts, RoundFacts
+
+LANES = LaneConfig(capacity=4, width=5, context=192, page_size=16)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return models.build(geometry.tiny_dense, seed=11)
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    return models.build(geometry.tiny_dense.replace(num_hidden_layers=2, layer_types=("linear_attention",
+                                                                                      "full_attention")), seed=12)
+
+
+def _repetitive_prompt(seed: int, n: int = 40) -> list[int]:
+    """A prompt with a repeated span, so root copies find matches."""
+    rng = np.random.default_rng(seed)
+    span = rng.integers(0, 250, 12).tolist()
+    return (rng.integers(0, 250, n - 24).tolist() + span + span)[:n]
+
+
+SAMPLED = dict(temperature=1.0, top_k=20, top_p=0.95)
+
+
+def _run(target, requests, drafter=None, facts=None):
+    engine = Engine(target, LANES, drafter=drafter, eos_ids=())
+    if facts is not None:
+        engine.runner.set_facts(facts)
+    return engine.run(requests)
+
+
+@pytest.mark.parametrize("params", [{}, SAMPLED], ids=["greedy", "sampled"])
+def test_drafted_equals_plain_with_copies(target, params):
+    prompts = [_repetitive_prompt(s) for s in range(2)]
+    plain = _run(target, [Request(p, max_tokens=24, draft=False, **params) for p in prompts])
+    drafted = _run(target, [Request(p, max_tokens=24, draft=True, **params) for p in prompts],
+                   facts=RoundFacts(copy_match=1))
+    for a, b in zip(plain, drafted, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.token_sha256 == b.token_sha256
+    assert sum(r.proposed for r in drafted) > 0, "copies never proposed: the test would not exercise them"
+
+
+@pytest.mark.parametrize("params", [{}, SAMPLED], ids=["greedy", "sampled"])
+def test_drafted_equals_plain_with_a_draft_model(target, drafter, params):
+    prompts = [_repetitive_prompt(s + 5) for s in range(2)]
+    plain = _run(target, [Request(p, max_tokens=20, draft=False, **params) for p in prompts])
+    drafted = _run(target, [Request(p, max_tokens=20, draft=True, **params) for p in prompts], drafter=drafter)
+    for a, b in zip(plain, drafted, strict=True):
+        assert a.token_ids == b.token_ids
+    assert all(r.proposed > 0 for r in drafted)
+
+
+def test_draft_model_that_is_the_target_is_accepted_in_full(target):
+    prompt = _repetitive_prompt(9)
+    plain = _run(target, [Request(prompt, max_tokens=20, draft=False)])[0]
+    drafted = _run(target, [Request(prompt, max_tokens=20)], drafter=target, facts=RoundFacts(copy_match=0))[0]
+    assert drafted.token_ids == plain.token_ids
+    assert drafted.tokens_per_round > 3.0, f"a perfect drafter should fill rounds: {drafted.tokens_per_round}"
+
+
+def test_concurrent_equals_alone_with_staggered_arrivals(target):
+    reqs = [dict(prompt=_repetitive_prompt(20 + i, 30 + 7 * i), max_tokens=10 + 5 * i, **(SAMPLED if i % 2 else {}))
+            for i in range(4)]
+    alone = [_run(target, [Request(**r)], facts=RoundFacts(copy_match=1))[0].token_ids for r in reqs]
+    engine = Engine(target, LANES, eos_ids=())
+    engine.runner.set_facts(RoundFacts(copy_match=1))
+    ids = []
+    for r in reqs:  # one arrival per step, while others are mid-decode
+        ids.append(engine.submit(Request(**r)))
+        engine.step()
+    while any(i not in engine.results for i in ids):
+        engine.step()
+    for i, expected in zip(ids, alone, strict=True):
+        assert engine.results[i].token_ids == expected
+
+
+def test_changing_facts_recompiles_and_same_facts_reuse_the_round(target):
+    from tfjax.lanes import round as r
+
+    engine = Engine(target, LANES, eos_ids=())
+    engine.run([Request(_repetitive_prompt(1), max_tokens=6)])
+    size = r.lane_round._cache_size()
+    engine.run([Request(_repetitive_prompt(2), max_tokens=6)])
+    assert r.lane_round._cache_size() == size
+    engine.runner.set_facts(RoundFacts(copy_match=20))
+    engine.run([Request(_repetitive_prompt(3), max_tokens=6)])
+    assert r.lane_round._cache_size() == size + 1
+
+
+def test_seed_facts_replace_the_targets_copy_match():
+    from tfjax.lanes.drafter import Drafted, ModelFacts
+
+    class Backend:
+        facts = ModelFacts(root_copies=True, enter_match=5)
+
+    class Drafter:
+        def __init__(self, n):
+            self.facts = Facts(copy_match=n)
+
+    assert Drafted(Backend(), None).facts.copy_match == 5
+    assert Drafted(Backend(), Drafter(0)).facts.copy_match == 5
+    assert Drafted(Backend(), Drafter(20)).facts.copy_match == 20
+
+
+def test_row_logits_are_bit_identical_in_any_lane_beside_any_other_rows(target):
+    """At the round's fixed shape a row's logits depend only on its lane, never on other lanes or later rows."""
+    import jax.numpy as jnp
+
+    from tfjax.models.layers import ROWS
+
+    graphdef, params = models.split(target)
+    rng = np.random.default_rng(0)
+    lanes, width, token = 4, 5, 7
+
+    def row0_logits(lane, others_busy):
+        cache = target.init_cache(lanes, 64)
+        rows = jnp.asarray(rng.integers(0, 256, (lanes, width)), jnp.int32).at[lane, 0].set(token)
+        start = jnp.where(jnp.arange(lanes) == lane, 5, 5 if others_busy else 64).astype(jnp.int32)
+        out, _, _ = models.forward(graphdef, params, rows, start, jnp.full((lanes,), width), cache, ROWS)
+        return np.asarray(out[lane, 0])
+
+    alone = row0_logits(0, others_busy=False)
+    for lane in range(lanes):
+        for busy in (False, True):
+            assert np.array_equal(row0_logits(lane, busy), alone), f"lane {lane}, others busy={busy}"

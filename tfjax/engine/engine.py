@@ -1,0 +1,113 @@
+"""The engine: `step()` admits waiting requests, runs one lane round, and hands tokens to requests.
+
+Every generated token after the first comes out of `lane_round`; the first is the prompt's own sample.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import numpy as np
+
+from tfjax import sampling
+from tfjax.engine.runner import Runner
+from tfjax.engine.scheduler import LaneSlot, Request, Scheduler
+from tfjax.lanes.config import LaneConfig
+
+
+@dataclasses.dataclass
+class Result:
+    """A finished request: its tokens, why it stopped, and round statistics."""
+
+    request_id: int
+    prompt_tokens: int
+    token_ids: list[int]
+    finish_reason: str
+    rounds: int
+    proposed: int
+
+    @property
+    def token_sha256(self) -> str:
+        return sampling.token_sha256(self.token_ids)
+
+    @property
+    def tokens_per_round(self) -> float:
+        return len(self.token_ids) / max(self.rounds, 1)
+
+
+class Engine:
+    """Continuous batching over lanes; thread-safe `submit`/`cancel`, `step()` from one loop."""
+
+    def __init__(self, target, lanes: LaneConfig, drafter=None, eos_ids: tuple[int, ...] = (), **runner_kw):
+        self.lanes = lanes
+        self.runner = Runner(target, lanes, drafter=drafter, **runner_kw)
+        self.scheduler = Scheduler(lanes.capacity, lanes.context, lanes.width, lanes.page_size, self.runner.pages)
+        self.eos_ids = tuple(eos_ids)
+        self.results: dict[int, Result] = {}
+        self.lock = threading.Lock()
+        self.rounds = 0
+
+    def submit(self, request: Request) -> int:
+        with self.lock:
+            self.scheduler.submit(request)
+        return request.id
+
+    def cancel(self, request_id: int) -> None:
+        with self.lock:
+            lane = self.scheduler.cancel(request_id)
+            if lane is not None:
+                self._finish(lane)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    def _sampling(self, req: Request) -> sampling.SamplingParams:
+        seed = sampling.default_seed(req.prompt) if req.seed is None else req.seed
+        return sampling.SamplingParams.create(1, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
+                                              min_p=req.min_p, seed=seed)
+
+    def _deliver(self, slot: LaneSlot, tokens: list[int]) -> None:
+        if tokens and slot.request.on_tokens is not None:
+            slot.request.on_tokens(tokens)
+
+    def _finish(self, lane: int) -> None:
+        slot = self.scheduler.finish(lane)
+        self.runner.release(lane)
+        self.results[slot.request.id] = Result(slot.request.id, len(slot.request.prompt), slot.output,
+                                               slot.finish_reason or "stop", slot.rounds, slot.proposed)
+
+    def step(self) -> None:
+        """Admit what fits, then one round for all live lanes."""
+        with self.lock:
+            for req, lane, pages in self.scheduler.admissible():
+                first = self.runner.prefill(lane, req.prompt, self._sampling(req), req.draft, pages)
+                slot = self.scheduler.running[lane]
+                kept = self.scheduler.take(lane, [first], self.eos_ids)
+                slot.rounds -= 1  # the prompt's token is not a round
+                self._deliver(slot, kept)
+                if slot.finish_reason:
+                    self._finish(lane)
+            if not self.scheduler.running:
+                return
+            tokens, count, proposed = self.runner.round()
+            self.rounds += 1
+            for lane in list(self.scheduler.running):
+                slot = self.scheduler.running[lane]
+                n = int(count[lane])
+                kept = self.scheduler.take(lane, [int(t) for t in tokens[lane, :n]], self.eos_ids, int(proposed[lane]))
+                self._deliver(slot, kept)
+                if slot.finish_reason:
+                    self._finish(lane)
+
+    def run(self, requests: list[Request]) -> list[Result]:
+        """Submit requests and step until all of them are done (the synchronous API)."""
+        ids = [self.submit(r) for r in requests]
+        while any(i not in self.results for i in ids):
+            self.step()
+        return [self.results.pop(i) for i in ids]
+
+
+def tokens_equal(a: list[int], b: list[int]) -> bool:
+    return np.array_equal(np.asarray(a), np.asarray(b))

@@ -1,0 +1,97 @@
+"""The runner owns device state (parameters, caches, lane state) and is the only caller of jitted code."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tfjax import models, sampling
+from tfjax.lanes import round as lane_round_mod
+from tfjax.lanes.config import LaneConfig
+from tfjax.lanes.drafter import Drafted, ModelFacts, RoundFacts
+
+
+class Runner:
+    """Target (and optional drafter) parameters, the lanes' device state, and the jitted entry points."""
+
+    def __init__(self, target, lanes: LaneConfig, drafter=None, prefill_chunk: int = 256,
+                 target_facts: ModelFacts | None = None, drafter_facts=None):
+        self.lanes = lanes
+        self.target_def, self.target_params = models.split(target)
+        self.drafter_def, self.drafter_params = (None, None) if drafter is None else models.split(drafter)
+        self.chunk = prefill_chunk
+        pages = lanes.capacity * lanes.pages_per_lane
+        self.pages = pages
+        cache = target.init_cache(lanes.capacity, lanes.context, lanes.page_size, pages)
+        draft_cache = None if drafter is None else drafter.init_cache(lanes.capacity, lanes.context,
+                                                                       lanes.page_size, pages)
+        n = lanes.capacity
+        self.state = lane_round_mod.LaneState(
+            history=jnp.zeros((n, lanes.context), jnp.int32), length=jnp.ones((n,), jnp.int32),
+            active=jnp.zeros((n,), bool), drafting=jnp.zeros((n,), bool),
+            sampling=sampling.SamplingParams.create(n), cache=cache, draft_cache=draft_cache,
+            draft_len=jnp.zeros((n,), jnp.int32))
+        target_facts = target_facts or ModelFacts(root_copies=True, enter_match=lanes.enter_match)
+        drafter_side = None if drafter_facts is None else _Facts(drafter_facts)
+        facts: RoundFacts = Drafted(_Facts(target_facts), drafter_side).facts
+        self.spec = lane_round_mod.RoundSpec(lanes, facts)
+
+    def set_facts(self, facts: RoundFacts) -> None:
+        """Swap the static facts (a new compile key for the round)."""
+        self.spec = lane_round_mod.RoundSpec(self.lanes, facts)
+
+    def _prefill_model(self, graphdef, params, cache, lane: int, prompt: np.ndarray):
+        logits = None
+        for s in range(0, len(prompt), self.chunk):
+            piece = prompt[s : s + self.chunk]
+            tokens = np.zeros((1, self.chunk), np.int32)
+            tokens[0, : len(piece)] = piece
+            logits, cache = lane_round_mod.prefill_chunk(graphdef, params, cache, jnp.int32(lane),
+                                                         jnp.asarray(tokens), jnp.int32(s), jnp.int32(len(piece)))
+        return logits, cache
+
+    def prefill(self, lane: int, prompt: list[int], params: sampling.SamplingParams, drafting: bool,
+                pages: list[int]) -> int:
+        """Feed a prompt into `lane` (and the drafter), pick its first token, and make the lane live."""
+        prompt_arr = np.asarray(prompt, np.int32)
+        row = np.zeros((self.lanes.pages_per_lane,), np.int32)
+        row[: len(pages)] = pages
+        row[len(pages):] = pages[-1]  # never addressed: lanes stay inside their pages
+        st = self.state
+        st.cache.page_table = st.cache.page_table.at[lane].set(jnp.asarray(row))
+        logits, st.cache = self._prefill_model(self.target_def, self.target_params, st.cache, lane, prompt_arr)
+        if st.draft_cache is not None:
+            st.draft_cache.page_table = st.draft_cache.page_table.at[lane].set(jnp.asarray(row))
+            _, st.draft_cache = self._prefill_model(self.drafter_def, self.drafter_params, st.draft_cache, lane,
+                                                    prompt_arr)
+        first = int(_first_token(logits, jnp.int32(len(prompt)), params)[0])
+        history = np.zeros((self.lanes.context,), np.int32)
+        history[: len(prompt)] = prompt_arr
+        history[len(prompt)] = first
+        self.state = lane_round_mod.admit(st, jnp.int32(lane), jnp.asarray(history), jnp.int32(len(prompt) + 1),
+                                          jnp.bool_(drafting), params, jnp.asarray(row))
+        return first
+
+    def round(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One lane round: committed tokens [L, W], counts [L], proposals offered [L] (host arrays)."""
+        self.state, out = lane_round_mod.lane_round(self.target_def, self.target_params, self.drafter_def,
+                                                    self.drafter_params, self.state, self.spec)
+        tokens, count, proposed = jax.device_get((out.tokens, out.count, out.proposed))
+        return tokens, count, proposed
+
+    def release(self, lane: int) -> None:
+        self.state = lane_round_mod.release(self.state, jnp.int32(lane))
+
+
+class _Facts:
+    """Adapter giving a bare facts object the `.facts` attribute Drafted expects."""
+
+    def __init__(self, facts):
+        self.facts = facts
+
+
+@jax.jit
+def _first_token(logits: jax.Array, position: jax.Array, params: sampling.SamplingParams) -> jax.Array:
+    """The token after the prompt, chosen by the lane's keyed sampler (lane params sliced to one row)."""
+    return sampling.sample(logits[:, None, :], position[None, None], params)[:, 0]

@@ -1,0 +1,131 @@
+"""The scheduler: plain Python, no jax. It admits requests into free lanes with KV pages from one pool,
+tracks each lane's output, and decides when a lane stops (EOS, stop strings, max tokens)."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+from collections.abc import Callable
+
+
+class ContextLengthExceeded(ValueError):
+    """A prompt (plus the tokens it asks for) that does not fit a lane's context."""
+
+    code = "context_length_exceeded"
+
+
+@dataclasses.dataclass
+class Request:
+    """One generation request, as the engine sees it (token ids in, tokens out)."""
+
+    prompt: list[int]
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    draft: bool = True
+    stop_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    stop_check: Callable[[list[int]], int | None] | None = None  # index to cut at, or None
+    on_tokens: Callable[[list[int]], None] | None = None
+    id: int = dataclasses.field(default_factory=itertools.count().__next__)
+
+
+@dataclasses.dataclass
+class LaneSlot:
+    """A live request in a lane: its output so far, pages, and round statistics."""
+
+    request: Request
+    lane: int
+    pages: list[int]
+    output: list[int] = dataclasses.field(default_factory=list)
+    rounds: int = 0
+    proposed: int = 0
+    finish_reason: str | None = None
+
+
+class Scheduler:
+    """Admission and stopping; the runner does the device work."""
+
+    def __init__(self, lanes: int, context: int, width: int, page_size: int, pages: int):
+        self.lanes, self.context, self.width, self.page_size = lanes, context, width, page_size
+        self.free_lanes = list(range(lanes))
+        self.free_pages = collections.deque(range(pages))
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: dict[int, LaneSlot] = {}
+
+    def pages_for(self, request: Request) -> int:
+        return -(-(len(request.prompt) + request.max_tokens + self.width) // self.page_size)
+
+    def check(self, request: Request) -> None:
+        """Raise ContextLengthExceeded for a request no lane can hold."""
+        need = len(request.prompt) + request.max_tokens + self.width
+        if not request.prompt:
+            raise ValueError("the prompt is empty")
+        if need > self.context:
+            raise ContextLengthExceeded(
+                f"prompt of {len(request.prompt)} tokens + max_tokens {request.max_tokens} (+{self.width} for a "
+                f"round) exceeds the context of {self.context} tokens")
+
+    def submit(self, request: Request) -> None:
+        self.check(request)
+        self.waiting.append(request)
+
+    def admissible(self) -> list[tuple[Request, int, list[int]]]:
+        """Waiting requests that now get a lane and their pages (FIFO; stops at the first that can't)."""
+        out = []
+        while self.waiting and self.free_lanes and len(self.free_pages) >= self.pages_for(self.waiting[0]):
+            req = self.waiting.popleft()
+            lane = self.free_lanes.pop(0)
+            pages = [self.free_pages.popleft() for _ in range(self.pages_for(req))]
+            self.running[lane] = LaneSlot(req, lane, pages)
+            out.append((req, lane, pages))
+        return out
+
+    def take(self, lane: int, tokens: list[int], eos_ids: tuple[int, ...], proposed: int = 0) -> list[int]:
+        """Append a lane's committed tokens, cutting at a stop; returns the tokens kept this time."""
+        slot = self.running[lane]
+        slot.rounds += 1
+        slot.proposed += proposed
+        req = slot.request
+        kept = []
+        stops = set(req.stop_ids) | (set() if req.ignore_eos else set(eos_ids))
+        for t in tokens:
+            kept.append(t)
+            if t in stops:
+                slot.finish_reason = "stop"
+                break
+            if len(slot.output) + len(kept) >= req.max_tokens:
+                slot.finish_reason = "length"
+                break
+        slot.output.extend(kept)
+        if req.stop_check is not None and slot.finish_reason != "stop":
+            cut = req.stop_check(slot.output)
+            if cut is not None:
+                removed = len(slot.output) - cut
+                del slot.output[cut:]
+                kept = kept[: max(len(kept) - removed, 0)]
+                slot.finish_reason = "stop"
+        return kept
+
+    def finish(self, lane: int) -> LaneSlot:
+        slot = self.running.pop(lane)
+        self.free_lanes.append(lane)
+        self.free_lanes.sort()
+        self.free_pages.extend(slot.pages)
+        return slot
+
+    def cancel(self, request_id: int) -> int | None:
+        """Drop a waiting request, or return the lane of a running one (the engine frees it)."""
+        for r in list(self.waiting):
+            if r.id == request_id:
+                self.waiting.remove(r)
+                return None
+        for lane, slot in self.running.items():
+            if slot.request.id == request_id:
+                slot.finish_reason = "cancelled"
+                return lane
+        return None

@@ -1,0 +1,220 @@
+"""The lane round: one jitted function that plans, verifies, accepts and rolls back for every lane.
+
+Per round, for each live lane with `length` tokens (its last one, the pending token, not yet fed):
+1. plan: a root copy (`copy_match` tokens matched) or else the draft model's greedy chain; none for a
+   lane that asked for `draft: false`;
+2. verify: one target forward over rows [pending, *proposals] at positions length-1 .. length-1+P;
+3. accept: the leading proposals equal to the target's own keyed sample, plus the sample at the first
+   disagreement (the bonus token);
+4. roll back: KV simply keeps the committed length; DeltaNet state is replayed from the round's start
+   over the committed rows only.
+Shapes are fixed by the static `RoundSpec`, so plain and drafted lanes run the same arithmetic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tfjax import sampling
+from tfjax.lanes.config import LaneConfig
+from tfjax.lanes.copies import propose_copies
+from tfjax.lanes.drafter import RoundFacts
+from tfjax.models.layers import PROMPT, ROWS
+from tfjax.models.qwen3_5 import Cache, DeltaState, replay
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundSpec:
+    """Everything static about a compiled round: lane shape and the merged drafter facts."""
+
+    lanes: LaneConfig
+    facts: RoundFacts
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LaneState:
+    """Device state of all lanes: token history, lengths, flags, sampling, target and drafter caches."""
+
+    history: jax.Array  # [L, S] i32, prompt + output
+    length: jax.Array  # [L] i32, tokens in history (the last is pending)
+    active: jax.Array  # [L] bool
+    drafting: jax.Array  # [L] bool, False for `draft: false` requests
+    sampling: sampling.SamplingParams
+    cache: Cache
+    draft_cache: Cache | None
+    draft_len: jax.Array  # [L] i32, positions the drafter has absorbed
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class RoundOut:
+    """Committed tokens [L, W] (the first `count` of each lane) and how many proposals were offered."""
+
+    tokens: jax.Array
+    count: jax.Array
+    proposed: jax.Array
+
+
+def _forward(graphdef, params, tokens, start, valid, cache, mode):
+    return nnx.merge(graphdef, params)(tokens, start, valid, cache, mode)
+
+
+def _replay_layers(start: Cache, new: Cache, traces: list, count: jax.Array) -> Cache:
+    """Attention layers keep the new pool; DeltaNet layers are replayed over `count` rows."""
+    layers = [replay(s, tr, count) if isinstance(s, DeltaState) else n
+              for s, n, tr in zip(start.layers, new.layers, traces, strict=True)]
+    return Cache(layers, new.page_table)
+
+
+def _select_delta(stack: list[Cache], index: jax.Array) -> Cache:
+    """Per lane, the DeltaNet state of chain step `index`; attention pools from the last step."""
+    last = stack[-1]
+    layers = []
+    for i, layer in enumerate(last.layers):
+        if isinstance(layer, DeltaState):
+            conv = jnp.stack([c.layers[i].conv for c in stack])  # [P, L, ...]
+            state = jnp.stack([c.layers[i].state for c in stack])
+            lanes = jnp.arange(index.shape[0])
+            layers.append(DeltaState(conv[index, lanes], state[index, lanes]))
+        else:
+            layers.append(layer)
+    return Cache(layers, last.page_table)
+
+
+def _draft_chain(graphdef, params, state: LaneState, width: int, context: int):
+    """The drafter absorbs committed rows it has not seen, then drafts P tokens greedily."""
+    lanes = jnp.arange(state.length.shape[0])
+    dl = state.draft_len
+    behind = state.length - dl  # 1..W rows to absorb, the pending token last
+    idx = jnp.clip(dl[:, None] + jnp.arange(width)[None, :], 0, context - 1)
+    rows = jnp.take_along_axis(state.history, idx, axis=1)
+    start = jnp.where(state.active, dl, context)
+    logits, cache, traces = _forward(graphdef, params, rows, start, behind, state.draft_cache, ROWS)
+    cache = _replay_layers(state.draft_cache, cache, traces, jnp.where(state.active, behind, 0))
+    token = jnp.argmax(logits[lanes, jnp.maximum(behind - 1, 0)], axis=-1).astype(jnp.int32)
+    drafts, stack = [token], [cache]
+    for i in range(1, width - 1):
+        pos = jnp.where(state.active, state.length - 1 + i, context)
+        lg, cache, _ = _forward(graphdef, params, token[:, None], pos, jnp.ones_like(pos), cache, ROWS)
+        token = jnp.argmax(lg[:, 0], axis=-1).astype(jnp.int32)
+        drafts.append(token)
+        stack.append(cache)
+    return jnp.stack(drafts, axis=1), stack
+
+
+@functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "spec"), donate_argnames=("state",))
+def lane_round(target_def, target_params, drafter_def, drafter_params, state: LaneState,
+               spec: RoundSpec) -> tuple[LaneState, RoundOut]:
+    """One round for all lanes; `spec`, the graphdefs and array shapes are the only compile keys."""
+    cfg = spec.lanes
+    n_lanes, width, context = cfg.capacity, cfg.width, cfg.context
+    n_prop = width - 1
+    lanes = jnp.arange(n_lanes)
+    length = state.length
+    pending = state.history[lanes, jnp.maximum(length - 1, 0)]
+
+    # 1. plan
+    proposals = jnp.zeros((n_lanes, n_prop), jnp.int32)
+    count = jnp.zeros((n_lanes,), jnp.int32)
+    drafts = None
+    if drafter_def is not None and n_prop > 0:
+        drafts, draft_stack = _draft_chain(drafter_def, drafter_params, state, width, context)
+        proposals, count = drafts, jnp.full((n_lanes,), n_prop, jnp.int32)
+    if spec.facts.copy_match > 0 and n_prop > 0:
+        copied, copied_n = propose_copies(state.history, length, spec.facts.copy_match, n_prop)
+        use_copy = copied_n > 0
+        proposals = jnp.where(use_copy[:, None], copied, proposals)
+        count = jnp.where(use_copy, copied_n, count)
+    room = jnp.maximum(context - length, 0)  # rows must stay inside the lane's context
+    count = jnp.where(state.active & state.drafting, jnp.minimum(count, room), 0)
+
+    # 2. verify
+    rows = jnp.concatenate([pending[:, None], proposals], axis=1)  # [L, W]
+    start = jnp.where(state.active, length - 1, context)  # idle lanes write nowhere
+    logits, cache, traces = _forward(target_def, target_params, rows, start, jnp.full_like(start, width),
+                                     state.cache, ROWS)
+    positions = length[:, None] + jnp.arange(width)[None, :]
+    chosen = sampling.sample(logits, positions, state.sampling)  # [L, W]
+
+    # 3. accept: leading proposals that equal the target's own token, then the bonus token
+    agree = (proposals == chosen[:, :n_prop]) & (jnp.arange(n_prop)[None, :] < count[:, None])
+    accepted = jnp.sum(jnp.cumprod(agree.astype(jnp.int32), axis=1), axis=1)
+    committed = jnp.where(state.active, accepted + 1, 0)
+
+    # 4. roll back DeltaNet by replay over the committed rows; KV keeps the committed length
+    cache = _replay_layers(state.cache, cache, traces, committed)
+    keep = jnp.arange(width)[None, :] < committed[:, None]
+    where = jnp.where(keep, positions, context)
+    history = state.history.at[lanes[:, None], where].set(chosen, mode="drop")
+    draft_cache, draft_len = state.draft_cache, state.draft_len
+    if drafts is not None:
+        right = (drafts == chosen[:, :n_prop]) & (jnp.arange(n_prop)[None, :] < committed[:, None])
+        good = jnp.minimum(jnp.sum(jnp.cumprod(right.astype(jnp.int32), axis=1), axis=1), n_prop - 1)
+        draft_cache = _select_delta(draft_stack, good)
+        draft_len = jnp.where(state.active, length + good, draft_len)
+    new = dataclasses.replace(state, history=history, length=length + committed, cache=cache,
+                              draft_cache=draft_cache, draft_len=draft_len)
+    return new, RoundOut(jnp.where(keep, chosen, -1), committed, count)
+
+
+def _lane_cache(cache: Cache, lane: jax.Array) -> Cache:
+    """A one-lane view: the lane's DeltaNet slots and page-table row (KV pools are shared)."""
+    layers = [DeltaState(l.conv[lane][None], l.state[lane][None]) if isinstance(l, DeltaState) else l
+              for l in cache.layers]
+    return Cache(layers, cache.page_table[lane][None])
+
+
+def _put_lane(cache: Cache, sub: Cache, lane: jax.Array) -> Cache:
+    layers = [DeltaState(l.conv.at[lane].set(s.conv[0]), l.state.at[lane].set(s.state[0]))
+              if isinstance(l, DeltaState) else s for l, s in zip(cache.layers, sub.layers, strict=True)]
+    return Cache(layers, cache.page_table)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+def prefill_chunk(graphdef, params, cache: Cache, lane: jax.Array, tokens: jax.Array, start: jax.Array,
+                  valid: jax.Array) -> tuple[jax.Array, Cache]:
+    """Feed one prompt chunk [1, C] of one lane; logits [1, V] of its last valid row."""
+    sub = _lane_cache(cache, lane)
+    if start is not None:
+        sub = dataclasses.replace(sub, layers=[_reset_if_first(l, start) for l in sub.layers])
+    logits, sub, _ = _forward(graphdef, params, tokens, start[None], valid[None], sub, PROMPT)
+    return logits, _put_lane(cache, sub, lane)
+
+
+def _reset_if_first(layer, start):
+    """A lane's first chunk starts from zero DeltaNet state (the slot may hold an old request's)."""
+    if isinstance(layer, DeltaState):
+        first = start == 0
+        return DeltaState(jnp.where(first, 0, layer.conv).astype(layer.conv.dtype),
+                          jnp.where(first, 0.0, layer.state))
+    return layer
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def admit(state: LaneState, lane: jax.Array, history_row: jax.Array, length: jax.Array, drafting: jax.Array,
+          params: sampling.SamplingParams, page_row: jax.Array) -> LaneState:
+    """Make `lane` live with its prompt + first token, sampling params and pages."""
+    def put(a, v):
+        return a.at[lane].set(v)
+
+    samp = jax.tree.map(lambda a, v: a.at[lane].set(v.reshape(())), state.sampling, params)
+    cache = dataclasses.replace(state.cache, page_table=put(state.cache.page_table, page_row))
+    draft_cache = state.draft_cache
+    if draft_cache is not None:
+        draft_cache = dataclasses.replace(draft_cache, page_table=put(draft_cache.page_table, page_row))
+    return dataclasses.replace(state, history=put(state.history, history_row), length=put(state.length, length),
+                               active=put(state.active, True), drafting=put(state.drafting, drafting),
+                               sampling=samp, cache=cache, draft_cache=draft_cache,
+                               draft_len=put(state.draft_len, length - 1))
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def release(state: LaneState, lane: jax.Array) -> LaneState:
+    """Mark a lane idle (its pages go back to the pool on the host)."""
+    return dataclasses.replace(state, active=state.active.at[lane].set(False))

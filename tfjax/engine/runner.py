@@ -57,7 +57,7 @@ class Runner:
         prompt_arr = np.asarray(prompt, np.int32)
         row = np.zeros((self.lanes.pages_per_lane,), np.int32)
         row[: len(pages)] = pages
-        row[len(pages):] = pages[-1]  # never addressed: lanes stay inside their pages
+        row[len(pages):] = self.pages  # out of the pool: writes there are dropped
         st = self.state
         st.cache.page_table = st.cache.page_table.at[lane].set(jnp.asarray(row))
         logits, st.cache = self._prefill_model(self.target_def, self.target_params, st.cache, lane, prompt_arr)

@@ -201,7 +201,7 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def __call__(self, x: jax.Array, positions: jax.Array, pages: KVPages, page_table: jax.Array,
+    def __call__(self, x: jax.Array, positions: jax.Array, valid: jax.Array, pages: KVPages, page_table: jax.Array,
                  mode: Mode) -> tuple[jax.Array, KVPages]:
         b, t, _ = x.shape
         q = self.q_proj(x, mode.rows)
@@ -217,7 +217,8 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = rotary(q, positions, self.rotary_dim, self.theta)
         k = rotary(k, positions, self.rotary_dim, self.theta)
-        pages = write_pages(pages, k, v, page_table, positions)
+        live = jnp.arange(t)[None, :] < valid[:, None]  # padded prompt rows must not overwrite real keys
+        pages = write_pages(pages, k, v, page_table, jnp.where(live, positions, jnp.iinfo(jnp.int32).max // 2))
         o = paged_attention(q, pages, page_table, positions, mode.rows).reshape(b, t, -1)  # [B, T, H*E]
         if self.gated:
             o = o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(o.dtype)

@@ -251,7 +251,7 @@ class DecoderLayer(nnx.Module):
         if self.kind == "linear_attention":
             h, layer_cache, trace = self.linear_attn(h, layer_cache, valid, mode)
         else:
-            h, layer_cache = self.self_attn(h, positions, layer_cache, page_table, mode)
+            h, layer_cache = self.self_attn(h, positions, valid, layer_cache, page_table, mode)
         x = x + h
         x = x + self.mlp(self.post_attention_layernorm(x), mode.rows)
         return x, layer_cache, trace

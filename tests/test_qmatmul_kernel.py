@@ -71,8 +71,8 @@ def test_interpret_matches_reference(m, bits, group_size):
     _check_matches_reference(m, 32, 256, bits, group_size, jnp.float32, SMALL, True, seed=m + bits)
 
 
-def test_interpret_reshape_unpack_matches_reference():
-    bs = dataclasses.replace(SMALL, unpack="reshape")
+def test_interpret_shift_unpack_matches_reference():
+    bs = dataclasses.replace(SMALL, unpack="shift")
     _check_matches_reference(17, 32, 256, 4, 64, jnp.float32, bs, True, seed=21)
 
 

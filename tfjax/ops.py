@@ -7,12 +7,14 @@ rows share the call or where it sits among them.
 
 from __future__ import annotations
 
+import math
 import os
 
 import jax
 import jax.numpy as jnp
 
 ROW_TILE = 8
+KERNEL_MAX_ROWS = 64
 
 _FORCE = os.environ.get("TFJAX_KERNELS", "auto")  # auto | kernel | reference
 
@@ -64,10 +66,10 @@ def matmul(x: jax.Array, w: jax.Array, *, rows: bool = False) -> jax.Array:
 def qmatmul(x: jax.Array, weight: jax.Array, scales: jax.Array, biases: jax.Array, *, bits: int,
             group_size: int, rows: bool = False) -> jax.Array:
     """x [..., in] @ dequant(weight)[out, in].T for MLX affine weights."""
-    if use_kernels():
+    lead = x.shape[:-1]
+    if use_kernels() and math.prod(lead) <= KERNEL_MAX_ROWS:  # prompts: XLA's dequantize-then-dot is faster
         from pallas_kernels import qmatmul as qk
 
-        lead = x.shape[:-1]
         y = qk.qmatmul(x.reshape(-1, x.shape[-1]), weight, scales, biases, bits=bits, group_size=group_size)
         return y.reshape(*lead, y.shape[-1])
     from tfjax import quant

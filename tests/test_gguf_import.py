@@ -32,10 +32,10 @@ TINY = dict(layers=2, hidden=32, heads=4, kv_heads=2, ffn=48)
 
 
 def tiny_vocab() -> tuple[list[str], list[int], list[str]]:
-    from tfjax.gguf_import import _byte_alphabet
+    from tfjax.tokenizer import byte_alphabet
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    byte_tokens = list(_byte_alphabet().values())
+    byte_tokens = list(byte_alphabet().values())
     merges = ["Ġ t", "h e", "Ġt he", "i n"]
     tokens = specials + byte_tokens + ["Ġt", "he", "Ġthe", "in", "<think>"]
     types = [3] * len(specials) + [1] * (len(tokens) - len(specials) - 1) + [4]

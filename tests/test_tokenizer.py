@@ -8,9 +8,9 @@ import random
 import jinja2
 import pytest
 
-from tfjax.gguf_import import _byte_alphabet, build_tokenizer
+from tfjax.gguf_import import build_tokenizer
 from tfjax.packaged import ensure_converted, fetch_gguf
-from tfjax.tokenizer import Tokenizer
+from tfjax.tokenizer import Tokenizer, byte_alphabet
 
 MIXED_TEXT = (
     "Hello, world! It's 2024-06-01 and I've   got 12345 apples (3.14159 each).\n\n"
@@ -98,7 +98,7 @@ def test_eos_ids_gather_config_tokenizer_config_and_generation_config(tmp_path):
 
 
 def byte_level_tokenizer(pre: str):
-    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *_byte_alphabet().values(), "Ġt", "Ã©"]
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *byte_alphabet().values(), "Ġt", "Ã©"]
     types = [3, 3, 3] + [1] * (len(tokens) - 3)
     meta = {
         "tokenizer.ggml.model": "gpt2",

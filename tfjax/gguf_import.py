@@ -26,6 +26,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from tfjax.tokenizer import byte_alphabet
+
 GGUF_MAGIC = b"GGUF"
 # Bump when the converted output changes, so cached folders (`packaged.ensure_converted`) are redone.
 CONVERTER_VERSION = 2
@@ -277,22 +279,6 @@ _LLAMA3_SPLIT = (
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
 
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's byte -> printable character table that byte-level BPE vocabularies are spelled in."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    table = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
 def _pipeline(pre: str | None):
     """(normalizer, pre_tokenizer) the original tokenizer used for this `tokenizer.ggml.pre`."""
     from tokenizers import Regex, normalizers, pre_tokenizers
@@ -330,7 +316,7 @@ def build_tokenizer(meta_get: Callable[..., Any]):
     tokens = list(meta_get("tokenizer.ggml.tokens"))
     types = list(meta_get("tokenizer.ggml.token_type", [1] * len(tokens)))
     merges = [tuple(m.split(" ")) for m in meta_get("tokenizer.ggml.merges")]
-    alphabet = _byte_alphabet()
+    alphabet = byte_alphabet()
     spelled = set(alphabet.values())
 
     # Ordinary tokens are stored byte-level spelled; respell any that slipped through raw. Control and

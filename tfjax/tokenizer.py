@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 
-def _byte_decoder() -> dict[str, int]:
-    """Inverse of GPT-2's byte -> printable character table (byte-level BPE spelling)."""
+def byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character table that byte-level BPE vocabularies are spelled in."""
     printable = [
         *range(ord("!"), ord("~") + 1),
         *range(ord("¡"), ord("¬") + 1),
@@ -32,7 +32,12 @@ def _byte_decoder() -> dict[str, int]:
         if b not in table:
             table[b] = chr(256 + extra)
             extra += 1
-    return {c: b for b, c in table.items()}
+    return table
+
+
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of `byte_alphabet` (byte-level BPE spelling -> byte)."""
+    return {c: b for b, c in byte_alphabet().items()}
 
 
 def _token_text(value: Any) -> str | None:

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from safetensors import safe_open
 from tqdm.auto import tqdm
@@ -196,44 +195,6 @@ def load(path: str | Path, *, dtype: str | None = None, progress: bool = True) -
     for key, flat_key in wanted.items():
         flat[flat_key] = flat[flat_key].replace(filled[key])
     return nnx.merge(graphdef, nnx.from_flat_state(flat)), config
-
-
-def state_dict(model: nnx.Module) -> dict[str, jax.Array]:
-    """Our parameters under canonical Hugging Face keys (conv1d as [C, 1, K])."""
-    out = {}
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        key, value = param_key(path), var[...]
-        if key.endswith("conv1d.weight"):
-            value = value[:, None, :]
-        out[key] = value
-    return out
-
-
-def save_hf(model: nnx.Module, config: ModelConfig, out_dir: str | Path) -> Path:
-    """Write a Hugging Face-style folder (config.json + model.safetensors) for an unquantized model."""
-    from safetensors.numpy import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for key, value in state_dict(model).items():
-        arr = np.asarray(value.astype(jnp.float32) if value.dtype == jnp.bfloat16 else value)
-        tensors[key] = arr
-    cfg = config.to_dict()
-    if config.dtype == "bfloat16":
-        _save_bf16(tensors, out / "model.safetensors")
-    else:
-        save_file(tensors, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    return out
-
-
-def _save_bf16(tensors: dict[str, np.ndarray], path: Path) -> None:
-    """Save float tensors as bf16 safetensors (through jax arrays)."""
-    from safetensors.flax import save_file
-
-    save_file({k: jnp.asarray(v).astype(jnp.bfloat16) if v.dtype.kind == "f" else jnp.asarray(v)
-               for k, v in tensors.items()}, str(path))
 
 
 def write_mlx(src: str | Path, out_dir: str | Path, *, bits: int = 4, group_size: int = 64,

@@ -8,8 +8,6 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-import numpy as np
-
 from tfjax import sampling
 from tfjax.engine.runner import Runner
 from tfjax.engine.scheduler import LaneSlot, Request, Scheduler
@@ -107,7 +105,3 @@ class Engine:
         while any(i not in self.results for i in ids):
             self.step()
         return [self.results.pop(i) for i in ids]
-
-
-def tokens_equal(a: list[int], b: list[int]) -> bool:
-    return np.array_equal(np.asarray(a), np.asarray(b))

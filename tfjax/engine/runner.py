@@ -9,7 +9,7 @@ import numpy as np
 from tfjax import models, sampling
 from tfjax.lanes import round as lane_round_mod
 from tfjax.lanes.config import LaneConfig
-from tfjax.lanes.drafter import Drafted, ModelFacts, RoundFacts
+from tfjax.lanes.drafter import ModelFacts, RoundFacts, round_facts
 
 
 class Runner:
@@ -33,9 +33,7 @@ class Runner:
             sampling=sampling.SamplingParams.create(n), cache=cache, draft_cache=draft_cache,
             draft_len=jnp.zeros((n,), jnp.int32))
         target_facts = target_facts or ModelFacts(root_copies=True, enter_match=lanes.enter_match)
-        drafter_side = None if drafter_facts is None else _Facts(drafter_facts)
-        facts: RoundFacts = Drafted(_Facts(target_facts), drafter_side).facts
-        self.spec = lane_round_mod.RoundSpec(lanes, facts)
+        self.spec = lane_round_mod.RoundSpec(lanes, round_facts(target_facts, drafter_facts))
 
     def set_facts(self, facts: RoundFacts) -> None:
         """Swap the static facts (a new compile key for the round)."""
@@ -82,13 +80,6 @@ class Runner:
 
     def release(self, lane: int) -> None:
         self.state = lane_round_mod.release(self.state, jnp.int32(lane))
-
-
-class _Facts:
-    """Adapter giving a bare facts object the `.facts` attribute Drafted expects."""
-
-    def __init__(self, facts):
-        self.facts = facts
 
 
 @jax.jit

@@ -181,8 +181,7 @@ def prefill_chunk(graphdef, params, cache: Cache, lane: jax.Array, tokens: jax.A
                   valid: jax.Array) -> tuple[jax.Array, Cache]:
     """Feed one prompt chunk [1, C] of one lane; logits [1, V] of its last valid row."""
     sub = _lane_cache(cache, lane)
-    if start is not None:
-        sub = dataclasses.replace(sub, layers=[_reset_if_first(l, start) for l in sub.layers])
+    sub = dataclasses.replace(sub, layers=[_reset_if_first(l, start) for l in sub.layers])
     logits, sub, _ = _forward(graphdef, params, tokens, start[None], valid[None], sub, PROMPT)
     return logits, _put_lane(cache, sub, lane)
 

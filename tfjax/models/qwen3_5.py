@@ -96,7 +96,7 @@ class GatedDeltaNet(nnx.Module):
         acc = sum(window[:, j : j + t].astype(jnp.float32) * w[:, j] for j in range(kk))
         return jax.nn.silu(acc).astype(window.dtype)
 
-    def step_inputs(self, x: jax.Array, mixed: jax.Array, conv_tail: jax.Array) -> DeltaTrace:
+    def step_inputs(self, mixed: jax.Array, conv_tail: jax.Array, g: jax.Array, beta: jax.Array) -> DeltaTrace:
         """Conv, split, normalise: the inputs of each row's recurrent step."""
         c = self.c
         b, t, _ = mixed.shape
@@ -109,7 +109,7 @@ class GatedDeltaNet(nnx.Module):
         rep = c.linear_num_value_heads // c.linear_num_key_heads
         q = jnp.repeat(jax.lax.optimization_barrier(_l2norm(q)), rep, axis=2) * (q.shape[-1] ** -0.5)
         k = jnp.repeat(_l2norm(k), rep, axis=2)
-        return DeltaTrace(mixed, q, k, v, None, None)  # g, beta filled by the caller
+        return DeltaTrace(mixed, q, k, v, g, beta)
 
     def __call__(self, x: jax.Array, cache: DeltaState, valid: jax.Array,
                  mode: Mode) -> tuple[jax.Array, DeltaState, DeltaTrace | None]:
@@ -120,8 +120,7 @@ class GatedDeltaNet(nnx.Module):
         beta = jax.nn.sigmoid(self.in_proj_b(x, mode.rows).astype(jnp.float32))
         a = self.in_proj_a(x, mode.rows).astype(jnp.float32)
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias[...].astype(jnp.float32))
-        tr = self.step_inputs(x, mixed, cache.conv)
-        tr = dataclasses.replace(tr, g=g, beta=beta)
+        tr = self.step_inputs(mixed, cache.conv, g, beta)
         if mode.rows:
             state, out = gated_delta.recurrent(cache.state, tr.q, tr.k, tr.v, tr.g, tr.beta)
             trace = tr

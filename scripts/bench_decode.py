@@ -21,18 +21,21 @@ from tfjax.models.layers import ROWS
 from tfjax.models.qwen3_5 import DeltaState
 
 
+@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
+def random_leaf(key, shape, dtype):
+    """One random leaf on the device: packed words for uint32, small normals otherwise (never zeros)."""
+    if jnp.dtype(dtype) == jnp.uint32:
+        return jax.random.bits(key, shape, jnp.uint32)
+    return (jax.random.normal(key, shape) * 0.02).astype(dtype)
+
+
 def random_params(config, seed=0):
-    """Random parameters for `config`, made on the device leaf by leaf (never zeros)."""
+    """Random parameters for `config`, made on the device leaf by leaf; one compile per distinct shape."""
     graphdef, state = nnx.split(nnx.eval_shape(lambda: models.build(config)))
     leaves, treedef = jax.tree.flatten(state)
     key = jax.random.key(seed)
-    out = []
-    for i, leaf in enumerate(leaves):
-        k = jax.random.fold_in(key, i)
-        if leaf.dtype == jnp.uint32:
-            out.append(jax.jit(lambda k, s=leaf.shape: jax.random.bits(k, s, jnp.uint32))(k))
-        else:
-            out.append(jax.jit(lambda k, s=leaf.shape, d=leaf.dtype: (jax.random.normal(k, s) * 0.02).astype(d))(k))
+    out = [random_leaf(jax.random.fold_in(key, i), tuple(leaf.shape), jnp.dtype(leaf.dtype).name)
+           for i, leaf in enumerate(leaves)]
     return graphdef, jax.tree.unflatten(treedef, out)
 
 
@@ -64,7 +67,10 @@ def main():
         config = config.replace(num_hidden_layers=args.layers, layer_types=config.layer_types[: args.layers])
     if args.bits:
         config = config.replace(quantization=QuantConfig(args.bits, 64))
+    t0 = time.perf_counter()
     graphdef, params = random_params(config)
+    jax.block_until_ready(params)
+    print(f"random weights in {time.perf_counter() - t0:.0f} s", flush=True)
     model = nnx.merge(graphdef, params)
     cache = model.init_cache(1, args.context + 64)
     key = jax.random.key(7)
@@ -89,6 +95,7 @@ def main():
     token, cache = step(params, token, jnp.array([args.context], jnp.int32), cache)
     token.block_until_ready()
     compile_s = time.perf_counter() - t0
+    print(f"first step (compile) in {compile_s:.0f} s", flush=True)
     times = []
     for i in range(args.steps):
         t = time.perf_counter()

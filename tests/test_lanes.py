@@ -115,24 +115,32 @@ def test_seed_facts_replace_the_targets_copy_match():
     assert Drafted(Backend(), Drafter(20)).facts.copy_match == 20
 
 
-def test_row_logits_are_bit_identical_in_any_lane_beside_any_other_rows(target):
-    """At the round's fixed shape a row's logits depend only on its lane, never on other lanes or later rows."""
+@pytest.mark.parametrize("name", ["tiny_dense", "tiny_moe"])
+def test_row_logits_are_bit_identical_alone_among_verify_rows_and_beside_other_lanes(name):
+    """A row's logits equal those of the row computed alone (1 lane, 1 row), whatever T and the lane count."""
     import jax.numpy as jnp
 
-    from tfjax.models.layers import ROWS
+    from tfjax.models.layers import PROMPT, ROWS, KVPages
+    from tfjax.models.qwen3_5 import Cache, DeltaState
 
-    graphdef, params = models.split(target)
+    model = models.build(getattr(geometry, name), seed=11)
+    graphdef, params = models.split(model)
     rng = np.random.default_rng(0)
-    lanes, width, token = 4, 5, 7
+    history = jnp.asarray(rng.integers(0, 256, (1, 9)), jnp.int32)
+    one = model.init_cache(1, 64)
+    _, one, _ = models.forward(graphdef, params, history, jnp.zeros((1,), jnp.int32), jnp.full((1,), 9), one, PROMPT)
 
-    def row0_logits(lane, others_busy):
-        cache = target.init_cache(lanes, 64)
-        rows = jnp.asarray(rng.integers(0, 256, (lanes, width)), jnp.int32).at[lane, 0].set(token)
-        start = jnp.where(jnp.arange(lanes) == lane, 5, 5 if others_busy else 64).astype(jnp.int32)
-        out, _, _ = models.forward(graphdef, params, rows, start, jnp.full((lanes,), width), cache, ROWS)
-        return np.asarray(out[lane, 0])
+    def row0_logits(lanes, width):
+        """Lane 0's first row after the same 9-token history, beside `lanes - 1` lanes with other histories' rows."""
+        tile = lambda a: jnp.tile(a, (lanes,) + (1,) * (a.ndim - 1))  # noqa: E731
+        layers = [DeltaState(tile(c.conv), tile(c.state)) if isinstance(c, DeltaState) else KVPages(tile(c.k), tile(c.v))
+                  for c in one.layers]
+        cache = Cache(layers, model.init_cache(lanes, 64).page_table)
+        rows = jnp.asarray(rng.integers(0, 256, (lanes, width)), jnp.int32).at[0, 0].set(7)
+        out, _, _ = models.forward(graphdef, params, rows, jnp.full((lanes,), 9, jnp.int32), jnp.full((lanes,), width),
+                                   cache, ROWS)
+        return np.asarray(out[0, 0])
 
-    alone = row0_logits(0, others_busy=False)
-    for lane in range(lanes):
-        for busy in (False, True):
-            assert np.array_equal(row0_logits(lane, busy), alone), f"lane {lane}, others busy={busy}"
+    alone = row0_logits(1, 1)
+    for lanes, width in [(1, 2), (1, 9), (2, 1), (4, 5), (16, 1), (16, 9)]:
+        assert np.array_equal(row0_logits(lanes, width), alone), f"{lanes=} {width=}"

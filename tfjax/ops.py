@@ -43,6 +43,24 @@ def _dot_t(x: jax.Array, w: jax.Array) -> jax.Array:
     return y.astype(x.dtype)
 
 
+def fenced_map(fn, xs):
+    """`lax.map` whose trip count XLA cannot see: even one iteration stays a loop body compiled on its own.
+
+    XLA inlines a loop it knows runs once and then fuses its body with the neighbours, which changes the
+    arithmetic of reductions; a row computed alone would then differ from the same row among others.
+    """
+    n = jax.tree.leaves(xs)[0].shape[0]
+    first = jax.eval_shape(fn, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), xs))
+    out = jax.tree.map(lambda s: jnp.zeros((n, *s.shape), s.dtype), first)
+    trips = jax.lax.optimization_barrier(jnp.int32(n))
+
+    def body(i, out):
+        y = fn(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), xs))
+        return jax.tree.map(lambda o, v: jax.lax.dynamic_update_index_in_dim(o, v, i, 0), out, y)
+
+    return jax.lax.fori_loop(0, trips, body, out)
+
+
 def row_tiled(fn, x: jax.Array, tile: int = ROW_TILE) -> jax.Array:
     """Apply fn (rows [tile, in] -> [tile, out]) over fixed row tiles, so each row's arithmetic is fixed."""
     lead, d = x.shape[:-1], x.shape[-1]
@@ -51,9 +69,16 @@ def row_tiled(fn, x: jax.Array, tile: int = ROW_TILE) -> jax.Array:
     pad = (-m) % tile
     rows = jnp.pad(rows, ((0, pad), (0, 0)))
     tiles = rows.reshape(-1, tile, d)
-    out = jax.lax.map(fn, tiles)
+    out = fenced_map(fn, tiles)
     out = out.reshape(-1, out.shape[-1])[:m]
     return out.reshape(*lead, out.shape[-1])
+
+
+def rowwise(fn, x: jax.Array, rows: bool) -> jax.Array:
+    """fn over the last axis; with `rows` on the reference path, in fixed row tiles (reductions never see M)."""
+    if rows and not use_kernels():
+        return row_tiled(fn, x)
+    return fn(x)
 
 
 def matmul(x: jax.Array, w: jax.Array, *, rows: bool = False) -> jax.Array:

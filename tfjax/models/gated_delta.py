@@ -29,23 +29,25 @@ def recurrent(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax
     With `count` [B], only each lane's first count rows update the state (replay after acceptance).
     Lanes run one at a time (fixed shapes), so a lane's arithmetic never depends on how many share the call.
     """
-    if q.shape[0] > 1:
-        n = jnp.full((q.shape[0],), q.shape[1], jnp.int32) if count is None else count
-        s, o = jax.lax.map(lambda xs: recurrent(xs[0][None], *(x[None] for x in xs[1:-1]), count=xs[-1][None]),
-                           (state, q, k, v, g, beta, n))
-        return s[:, 0], o[:, 0]
-    t = q.shape[1]
+    from tfjax.ops import fenced_map
 
-    def body(s, xs):
-        i, qi, ki, vi, gi, bi = xs
-        s_new, o = step(s, qi, ki, vi, gi, bi)
-        if count is not None:
-            s_new = jnp.where((i < count)[:, None, None, None], s_new, s)
-        return s_new, o
+    b, t = q.shape[:2]
+    n = jnp.full((b,), t, jnp.int32) if count is None else count
+    return fenced_map(lambda xs: _lane_recurrent(*xs), (state, q, k, v, g, beta, n))
 
-    xs = (jnp.arange(t), *(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta)))
-    state, out = jax.lax.scan(body, state, xs)
-    return state, jnp.moveaxis(out, 0, 1)
+
+def _lane_recurrent(state, q, k, v, g, beta, count):
+    """One lane: `step` over its first `count` rows (a loop of unseen length, so XLA never inlines a step)."""
+    t = q.shape[0]
+    trips = jax.lax.optimization_barrier(count)
+
+    def body(i, carry):
+        s, out = carry
+        s, o = step(s[None], *(jax.lax.dynamic_index_in_dim(a, i, keepdims=True) for a in (q, k, v, g, beta)))
+        return s[0], jax.lax.dynamic_update_index_in_dim(out, o[0], i, 0)
+
+    out = jnp.zeros((t, *v.shape[1:]), jnp.float32)
+    return jax.lax.fori_loop(0, jnp.minimum(trips, t), body, (state, out))
 
 
 def chunked(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,

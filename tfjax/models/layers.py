@@ -40,7 +40,10 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(init((dim,), dtype))
         self.eps, self.offset = eps, offset
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, rows: bool = False) -> jax.Array:
+        return ops.rowwise(self._norm, x, rows)
+
+    def _norm(self, x: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)
         xf = xf / jnp.sqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         w = self.weight[...].astype(jnp.float32)
@@ -146,12 +149,16 @@ def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax
                         rows: bool = False) -> jax.Array:
     """Causal GQA attention of q [B, T, H, E] over k, v [B, S, G, E]; key s is seen by a row at p iff s <= p.
 
-    With `rows`, each query row is computed on its own (fixed shapes), so its result never depends on T.
+    With `rows`, each lane's each query row is computed on its own (fixed shapes, a fenced loop), so its
+    result never depends on T or on the other lanes.
     """
-    if rows and q.shape[1] > 1:
-        out = jax.lax.map(lambda xs: attention_reference(xs[0][:, None], k, v, xs[1][:, None]),
-                          (jnp.moveaxis(q, 1, 0), jnp.moveaxis(positions, 1, 0)))
-        return jnp.moveaxis(out[:, :, 0], 0, 1)
+    if rows:
+        def lane(xs):  # q [T, H, E], k, v [S, G, E], positions [T]
+            qb, kb, vb, pb = xs
+            return ops.fenced_map(lambda r: attention_reference(r[0][None, None], kb[None], vb[None],
+                                                                r[1][None, None])[0, 0], (qb, pb))
+
+        return ops.fenced_map(lane, (q, k, v, positions))
     b, t, h, e = q.shape
     g = k.shape[2]
     qg = q.reshape(b, t, g, h // g, e)
@@ -214,7 +221,7 @@ class Attention(nnx.Module):
         k = self.k_proj(x, mode.rows).reshape(b, t, self.kv_heads, self.head_dim)
         v = self.v_proj(x, mode.rows).reshape(b, t, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm(q, mode.rows), self.k_norm(k, mode.rows)
         q = rotary(q, positions, self.rotary_dim, self.theta)
         k = rotary(k, positions, self.rotary_dim, self.theta)
         live = jnp.arange(t)[None, :] < valid[:, None]  # padded prompt rows must not overwrite real keys

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tfjax import ops
 from tfjax.config import ModelConfig
 from tfjax.models import gated_delta
 from tfjax.models.layers import (
@@ -63,7 +64,12 @@ class GatedRMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
 
-    def __call__(self, x: jax.Array, z: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, z: jax.Array, rows: bool = False) -> jax.Array:
+        d = x.shape[-1]
+        xz = jnp.concatenate([x, z.astype(x.dtype)], axis=-1)  # one row-wise call: x and its gate side by side
+        return ops.rowwise(lambda r: self._norm(r[..., :d], r[..., d:]), xz, rows)
+
+    def _norm(self, x: jax.Array, z: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)
         xf = xf / jnp.sqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         y = self.weight[...] * xf.astype(x.dtype)
@@ -89,26 +95,32 @@ class GatedDeltaNet(nnx.Module):
         self.norm = GatedRMSNorm(c.linear_value_head_dim, c.rms_norm_eps, dtype=dt)
         self.out_proj = Linear(c.linear_value_dim, d, quant=quant_for(f"{prefix}.out_proj"), dtype=dt, rngs=rngs)
 
-    def conv(self, window: jax.Array, t: int) -> jax.Array:
-        """Depthwise causal conv + silu: window [B, K-1+T, C] -> [B, T, C] (explicit sum: row-invariant)."""
+    def conv(self, window: jax.Array, t: int, rows: bool = False) -> jax.Array:
+        """Depthwise causal conv + silu: window [B, K-1+T, C] -> [B, T, C], each row from its own K inputs."""
         w = self.conv1d["weight"][...].astype(jnp.float32)  # [C, K]
-        kk = w.shape[1]
-        acc = sum(window[:, j : j + t].astype(jnp.float32) * w[:, j] for j in range(kk))
-        return jax.nn.silu(acc).astype(window.dtype)
+        kk, ch = w.shape[1], w.shape[0]
+        taps = jnp.stack([window[:, j : j + t] for j in range(kk)], axis=2)  # [B, T, K, C]
 
-    def step_inputs(self, mixed: jax.Array, conv_tail: jax.Array, g: jax.Array, beta: jax.Array) -> DeltaTrace:
+        def one(r):  # r: [..., K*C] -> [..., C]
+            r = r.reshape(*r.shape[:-1], kk, ch).astype(jnp.float32)
+            return jax.nn.silu(sum(r[..., j, :] * w[:, j] for j in range(kk))).astype(window.dtype)
+
+        return ops.rowwise(one, taps.reshape(*taps.shape[:2], kk * ch), rows)
+
+    def step_inputs(self, mixed: jax.Array, conv_tail: jax.Array, g: jax.Array, beta: jax.Array,
+                    rows: bool = False) -> DeltaTrace:
         """Conv, split, normalise: the inputs of each row's recurrent step."""
         c = self.c
         b, t, _ = mixed.shape
         window = jnp.concatenate([conv_tail.astype(mixed.dtype), mixed], axis=1)
-        qkv = self.conv(window, t)
+        qkv = self.conv(window, t, rows)
         kd, vd = c.linear_key_dim, c.linear_value_dim
         q = qkv[..., :kd].reshape(b, t, c.linear_num_key_heads, -1).astype(jnp.float32)
         k = qkv[..., kd : 2 * kd].reshape(b, t, c.linear_num_key_heads, -1).astype(jnp.float32)
         v = qkv[..., 2 * kd : 2 * kd + vd].reshape(b, t, c.linear_num_value_heads, -1).astype(jnp.float32)
         rep = c.linear_num_value_heads // c.linear_num_key_heads
-        q = jnp.repeat(jax.lax.optimization_barrier(_l2norm(q)), rep, axis=2) * (q.shape[-1] ** -0.5)
-        k = jnp.repeat(_l2norm(k), rep, axis=2)
+        q = jnp.repeat(ops.rowwise(_l2norm, q, rows), rep, axis=2) * (q.shape[-1] ** -0.5)
+        k = jnp.repeat(ops.rowwise(_l2norm, k, rows), rep, axis=2)
         return DeltaTrace(mixed, q, k, v, g, beta)
 
     def __call__(self, x: jax.Array, cache: DeltaState, valid: jax.Array,
@@ -120,7 +132,7 @@ class GatedDeltaNet(nnx.Module):
         beta = jax.nn.sigmoid(self.in_proj_b(x, mode.rows).astype(jnp.float32))
         a = self.in_proj_a(x, mode.rows).astype(jnp.float32)
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias[...].astype(jnp.float32))
-        tr = self.step_inputs(mixed, cache.conv, g, beta)
+        tr = self.step_inputs(mixed, cache.conv, g, beta, mode.rows)
         if mode.rows:
             state, out = gated_delta.recurrent(cache.state, tr.q, tr.k, tr.v, tr.g, tr.beta)
             trace = tr
@@ -132,7 +144,7 @@ class GatedDeltaNet(nnx.Module):
                                              jnp.where(live[..., None], beta, 0))
             trace = None
         new_conv = conv_tail_after(cache.conv, mixed, valid)
-        out = self.norm(out.astype(x.dtype), z)
+        out = self.norm(out.astype(x.dtype), z, mode.rows)
         return self.out_proj(out.reshape(b, t, -1), mode.rows), DeltaState(new_conv, state), trace
 
 
@@ -245,14 +257,14 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, offset=c.rms_norm_offset, dtype=dt)
 
     def __call__(self, x, positions, valid, layer_cache, page_table, mode: Mode):
-        h = self.input_layernorm(x)
+        h = self.input_layernorm(x, mode.rows)
         trace = None
         if self.kind == "linear_attention":
             h, layer_cache, trace = self.linear_attn(h, layer_cache, valid, mode)
         else:
             h, layer_cache = self.self_attn(h, positions, valid, layer_cache, page_table, mode)
         x = x + h
-        x = x + self.mlp(self.post_attention_layernorm(x), mode.rows)
+        x = x + self.mlp(self.post_attention_layernorm(x, mode.rows), mode.rows)
         return x, layer_cache, trace
 
 
@@ -311,7 +323,7 @@ class CausalLM(nnx.Module):
             x, lc, tr = layer(x, positions, valid, lc, cache.page_table, mode)
             new_layers.append(lc)
             traces.append(tr)
-        x = self.model["norm"](x)
+        x = self.model["norm"](x, mode.rows)
         if mode.last_only:
             x = jnp.take_along_axis(x, jnp.maximum(valid - 1, 0)[:, None, None], axis=1)[:, 0]
         logits = self.logits(x, mode.rows)

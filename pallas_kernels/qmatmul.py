@@ -252,7 +252,8 @@ class TiledBlockSizes:
     def for_weight(cls, n: int, k: int, bits: int = 4, group_size: int = 64, programs: int = 264,
                    **kw) -> TiledBlockSizes:
         """Smallest split of K's tiles (a divisor) giving >= `programs` programs; from the shape alone."""
-        block_n = kw.pop("block_n", 64)
+        want = kw.pop("block_n", 64)
+        block_n = next((b for b in (want, 64, 32, 16) if n % b == 0), want)  # N=48 (DeltaNet a, b): 16
         tiles = k // quant.kernel_tile(bits, group_size)
         divisors = [s for s in range(1, tiles + 1) if tiles % s == 0]
         split = next((s for s in divisors if (n // block_n) * s >= programs), divisors[-1])

@@ -115,7 +115,7 @@ def use_kernel_layout(model: nnx.Module) -> int:
         if not isinstance(m, Linear) or m.quant is None or m.layout != "mlx" or id(m) in tables:
             continue
         bits, group = m.quant
-        if (m.weight.shape[1] * 32 // bits) % quant.kernel_tile(bits, group):
+        if (m.weight.shape[1] * 32 // bits) % quant.kernel_tile(bits, group) or m.weight.shape[0] % 16:
             continue
         w, s, b = quant.to_kernel_layout(m.weight[...], m.scales[...], m.biases[...], bits, group)
         m.weight, m.scales, m.biases = nnx.Param(w), nnx.Param(s), nnx.Param(b)

@@ -136,3 +136,88 @@ def test_gpu_small_blocks_match_reference(unpack):
 @pytest.mark.gpu
 def test_gpu_rows_bit_identical_whatever_m_and_neighbours():
     _check_rows_invariant((2, 5, 16, 33), 5120, 4096, None, jnp.bfloat16, False, seed=9)
+
+
+# --- the kernel layout (`quant.to_kernel_layout`) and `qmatmul_tiled` ---
+TILED = qm.TiledBlockSizes(block_n=16, split_k=2)
+
+
+def _tiled(rng, n, k, bits, group_size, dtype):
+    w, s, b = _weights(rng, n, k, bits, group_size, dtype)
+    return (w, s, b), quant.to_kernel_layout(w, s, b, bits, group_size)
+
+
+def test_kernel_layout_round_trips_and_dequantizes_the_same():
+    rng = np.random.default_rng(1)
+    (w, s, b), (wt, st, bt) = _tiled(rng, 32, 1024, 4, 64, jnp.float32)
+    back = quant.from_kernel_layout(wt, st, bt, 4, 64)
+    for x, y in zip(back, (w, s, b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    np.testing.assert_array_equal(np.asarray(quant.dequantize_kernel_layout(wt, st, bt, 4, 64)),
+                                  np.asarray(quant.dequantize(w, s, b, 4, 64)))
+
+
+@pytest.mark.parametrize("m,bits,group_size,swap,fold", [
+    (1, 4, 64, False, True), (17, 4, 32, True, True), (5, 4, 128, False, False), (3, 8, 64, True, False),
+])  # fmt: skip
+def test_interpret_tiled_matches_reference(m, bits, group_size, swap, fold):
+    rng = np.random.default_rng(m + bits)
+    k = 2 * quant.kernel_tile(bits, group_size)
+    mlx, tiled = _tiled(rng, 32, k, bits, group_size, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    bs = dataclasses.replace(TILED, swap=swap, fold=fold)
+    y = qm.qmatmul_tiled(x, *tiled, bits=bits, group_size=group_size, block_sizes=bs, interpret=True)
+    r = qm.reference(x, *mlx, bits=bits, group_size=group_size)
+    assert y.shape == (m, 32) and _rel_err(y, r) < 1e-5
+
+
+def test_interpret_tiled_rows_bit_identical_whatever_m_and_neighbours():
+    rng = np.random.default_rng(2)
+    _, tiled = _tiled(rng, 32, 1024, 4, 64, jnp.float32)
+    f = lambda x: np.asarray(qm.qmatmul_tiled(x, *tiled, block_sizes=TILED, interpret=True))
+    x = jnp.asarray(rng.standard_normal((17, 1024)), jnp.float32)
+    alone = np.stack([f(x[i : i + 1])[0] for i in (0, 16)])
+    batch = f(x)
+    np.testing.assert_array_equal(batch[[0, 16]], alone)
+
+
+def test_ops_kernel_layout_reference_path_equals_mlx_path():
+    from tfjax import ops
+
+    rng = np.random.default_rng(3)
+    mlx, tiled = _tiled(rng, 48, 512, 4, 64, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((2, 3, 512)), jnp.float32)
+    a = ops.qmatmul(x, *mlx, bits=4, group_size=64, rows=True)
+    b = ops.qmatmul(x, *tiled, bits=4, group_size=64, rows=True, layout="kernel")
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_tiled_block_sizes_depend_on_weight_shape_only():
+    bs = qm.TiledBlockSizes.for_weight(5120, 17408, 4, 64)
+    assert (5120 // bs.block_n) * bs.split_k >= 160 and 34 % bs.split_k == 0
+    assert qm.TiledBlockSizes.for_weight(17408, 5120, 4, 64).split_k == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,bits,group_size", [(1, 4, 64), (17, 4, 32), (5, 4, 128), (16, 8, 64), (129, 4, 64)])
+def test_gpu_tiled_matches_reference(m, bits, group_size):
+    assert jax.default_backend() == "gpu"
+    rng = np.random.default_rng(m)
+    mlx, tiled = _tiled(rng, 4096, 4096, bits, group_size, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((m, 4096)), jnp.bfloat16)
+    y = qm.qmatmul_tiled(x, *tiled, bits=bits, group_size=group_size)
+    assert _rel_err(y, qm.reference(x, *mlx, bits=bits, group_size=group_size)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_tiled_rows_1_to_128_bit_identical():
+    rng = np.random.default_rng(9)
+    _, tiled = _tiled(rng, 5120, 6144, 4, 64, jnp.bfloat16)
+    f = lambda x: np.asarray(qm.qmatmul_tiled(x, *tiled)).view(np.uint16)
+    x = jnp.asarray(rng.standard_normal((128, 6144)), jnp.bfloat16)
+    alone = np.stack([f(x[i : i + 1])[0] for i in range(128)])
+    for m in (2, 5, 16, 33, 128):
+        others = jnp.asarray(rng.standard_normal((m, 6144)), jnp.bfloat16)
+        for start in range(0, 128, m):
+            idx = np.arange(start, min(start + m, 128))
+            np.testing.assert_array_equal(f(others.at[: len(idx)].set(x[idx]))[: len(idx)], alone[idx], err_msg=f"{m=}")

@@ -89,9 +89,22 @@ def matmul(x: jax.Array, w: jax.Array, *, rows: bool = False) -> jax.Array:
 
 
 def qmatmul(x: jax.Array, weight: jax.Array, scales: jax.Array, biases: jax.Array, *, bits: int,
-            group_size: int, rows: bool = False) -> jax.Array:
-    """x [..., in] @ dequant(weight)[out, in].T for MLX affine weights."""
+            group_size: int, rows: bool = False, layout: str = "mlx") -> jax.Array:
+    """x [..., in] @ dequant(weight)[out, in].T for MLX affine weights, in the MLX or the kernel layout.
+
+    Kernel layout (`quant.to_kernel_layout`): on GPU the row-invariant tiled kernel for lane-round rows
+    (any count) and for up to `KERNEL_MAX_ROWS` prompt rows; XLA's dequantize-then-dot elsewhere.
+    """
     lead = x.shape[:-1]
+    if layout == "kernel":
+        if use_kernels() and (rows or math.prod(lead) <= KERNEL_MAX_ROWS):
+            from pallas_kernels import qmatmul as qk
+
+            return qk.qmatmul_tiled(x, weight, scales, biases, bits=bits, group_size=group_size)
+        from tfjax import quant
+
+        w = quant.dequantize_kernel_layout(weight, scales, biases, bits=bits, group_size=group_size, dtype=x.dtype)
+        return matmul(x, w, rows=rows)
     if use_kernels() and math.prod(lead) <= KERNEL_MAX_ROWS:  # prompts: XLA's dequantize-then-dot is faster
         from pallas_kernels import qmatmul as qk
 

@@ -114,3 +114,49 @@ def qmatmul_reference(x: jax.Array, weight, scales, biases, bits: int = 4, group
         raise ValueError(f"{x.shape[-1]=} does not match the weight's input dim {w.shape[-1]}")
     y = jnp.einsum("...k,nk->...n", x, w, preferred_element_type=jnp.float32)
     return y.astype(x.dtype)
+
+
+# --- The kernel layout: made once at load time, read by `pallas_kernels.qmatmul.qmatmul_tiled` ---
+# Within each K tile of ``T = (32 // bits) * group_size`` inputs, word ``i`` (0..group_size-1) holds in
+# bit field ``j`` the input ``j * group_size + i`` of the tile, so field ``j`` of the tile's words is exactly
+# group ``j`` of the tile: a kernel unpacks with one shift and mask per field and meets one scale per output
+# and field, never a reshape. Scales and biases are stored transposed, ``[K // group_size, N]``, so the
+# scales of one group are one contiguous row. Same bytes as MLX; the checkpoint layout stays MLX.
+
+
+def kernel_tile(bits: int, group_size: int) -> int:
+    """Inputs per K tile of the kernel layout (a K that is not a multiple keeps the MLX layout)."""
+    return (32 // bits) * group_size
+
+
+def to_kernel_layout(weight, scales, biases, bits: int = 4, group_size: int = 64):
+    """MLX ``(weight [N, K*bits/32], scales, biases [N, K/g])`` -> kernel layout (weight same shape, s/b ``[K/g, N]``)."""
+    _check_bits(bits)
+    _check_group(group_size)
+    xp = _xp(weight)
+    n, kw = weight.shape
+    per_word, k = 32 // bits, kw * 32 // bits
+    if k % kernel_tile(bits, group_size):
+        raise ValueError(f"K={k} must be a multiple of {kernel_tile(bits, group_size)=} for the kernel layout")
+    q = unpack(weight, bits).reshape(n, k // (per_word * group_size), per_word, group_size)
+    q = q.swapaxes(-1, -2).reshape(n, k)  # word i of a tile now holds inputs i, g + i, 2g + i, ...
+    return pack(q, bits), xp.asarray(scales).T, xp.asarray(biases).T
+
+
+def from_kernel_layout(weight, scales, biases, bits: int = 4, group_size: int = 64):
+    """Inverse of ``to_kernel_layout``."""
+    n, kw = weight.shape
+    per_word, k = 32 // bits, kw * 32 // bits
+    q = unpack(weight, bits).reshape(n, k // (per_word * group_size), group_size, per_word)
+    return pack(q.swapaxes(-1, -2).reshape(n, k), bits), scales.T, biases.T
+
+
+def dequantize_kernel_layout(weight, scales, biases, bits: int = 4, group_size: int = 64, dtype=None):
+    """``dequantize`` for weights in the kernel layout (one fused unpack, no repack)."""
+    xp = _xp(weight)
+    n, kw = weight.shape
+    per_word, k = 32 // bits, kw * 32 // bits
+    q = unpack(weight, bits).reshape(n, k // (per_word * group_size), group_size, per_word).swapaxes(-1, -2)
+    q = q.reshape(n, k // group_size, group_size).astype(xp.float32)
+    w = q * scales.T.astype(xp.float32)[..., None] + biases.T.astype(xp.float32)[..., None]
+    return w.reshape(n, k).astype(scales.dtype if dtype is None else dtype)

@@ -58,6 +58,7 @@ class Linear(nnx.Module):
     def __init__(self, d_in: int, d_out: int, *, bias: bool = False, quant: tuple[int, int] | None = None,
                  dtype, rngs: nnx.Rngs):
         self.quant = quant
+        self.layout = "mlx"  # "kernel" after `use_kernel_layout` (static: part of the graphdef)
         if quant is None:
             w = jax.random.normal(rngs.params(), (d_out, d_in), jnp.float32) * (1.0 / d_in**0.5)
             self.weight = nnx.Param(w.astype(dtype))
@@ -74,7 +75,7 @@ class Linear(nnx.Module):
         else:
             bits, group = self.quant
             y = ops.qmatmul(x, self.weight[...], self.scales[...], self.biases[...], bits=bits,
-                            group_size=group, rows=rows)
+                            group_size=group, rows=rows, layout=self.layout)
         if self.bias is not None:
             y = y + self.bias[...].astype(y.dtype)
         return y
@@ -101,6 +102,29 @@ class Embedding(nnx.Module):
 
     def attend(self, x: jax.Array, rows: bool = False) -> jax.Array:
         return self.table(x, rows=rows)
+
+
+def use_kernel_layout(model: nnx.Module) -> int:
+    """Repack every quantized Linear (not embedding tables) into `quant.to_kernel_layout` once, in place.
+
+    Call after loading, before `nnx.split`; returns how many were repacked. Linears whose K is not a
+    multiple of the kernel tile keep the MLX layout (and its path).
+    """
+    from tfjax import quant
+
+    tables = {id(m.table) for _, m in nnx.iter_modules(model) if isinstance(m, Embedding)}
+    done = 0
+    for _, m in nnx.iter_modules(model):
+        if not isinstance(m, Linear) or m.quant is None or m.layout != "mlx" or id(m) in tables:
+            continue
+        bits, group = m.quant
+        if (m.weight.shape[1] * 32 // bits) % quant.kernel_tile(bits, group) or m.weight.shape[0] % 16:
+            continue
+        w, s, b = quant.to_kernel_layout(m.weight[...], m.scales[...], m.biases[...], bits, group)
+        m.weight, m.scales, m.biases = nnx.Param(w), nnx.Param(s), nnx.Param(b)
+        m.layout = "kernel"
+        done += 1
+    return done
 
 
 def rotary(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float) -> jax.Array:

@@ -1,0 +1,182 @@
+"""Pallas GPU (Triton) verify/decode attention over the paged KV cache, row-invariant.
+
+Shapes: ``q [B, T, H, E]`` (T query rows per lane at absolute ``positions [B, T]``), ``k_pages``,
+``v_pages [P, page, G, E]``, ``page_table [B, n]`` (a lane's position p lives in page
+``page_table[b, p // page]`` at offset ``p % page``). A row at p sees keys 0..p (causal within the lane's
+window). GQA: the ``R = H // G`` query heads of a KV head and the T rows form the query block's rows.
+
+Grid: (query block, key chunk, KV head, lane). A program takes ``block_q`` rows of one (lane, KV head)
+and one chunk of ``chunk_k`` keys starting at an absolute position that is a multiple of ``chunk_k``;
+it walks that chunk in ``block_k`` key tiles (an online softmax in float32) and writes its partial
+(unnormalised output, running max, running sum). The partials are combined outside the kernel: max,
+then a sum in a fixed pairwise order over chunks.
+
+Row invariance (a row's result is bit-identical whether it is alone or one of T verify rows): chunk and
+tile boundaries are fixed by absolute key position; a row's scores, running max and sum use only its own
+q and the keys; tiles a row cannot see (past its position, processed because another row of the block
+can) leave its state untouched (a select, not an update by exp(0) * ... + 0); ``block_q`` is fixed, so
+every row goes through the same instructions; chunks past a row's position contribute exact zeros.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+NEG = -1e30  # finite "minus infinity" for the running max, so dead rows never compute inf - inf
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    block_q: int = 16  # query rows (row, head) per program
+    block_k: int = 64  # keys per tile; a multiple of the page size
+    chunk_k: int = 512  # keys per program; a multiple of block_k
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def _paged_kernel(q_ref, pos_ref, pt_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, page, block_k, chunk_k, scale):
+    # q_ref [bq, E]; pos_ref [bq] i32 (-1 marks a padding row); pt_ref [n_pad] i32; k_ref, v_ref [P, page, E]
+    # o_ref [bq, E] f32 (unnormalised); m_ref, l_ref [bq] f32
+    block_q, e = q_ref.shape
+    start = pl.program_id(1) * chunk_k
+    q = q_ref[...]
+    pos = pos_ref[...]
+    tiles = jnp.clip((jnp.max(pos) - start) // block_k + 1, 0, chunk_k // block_k)  # tiles any row can see
+    per_tile = block_k // page
+
+    def body(i, carry):
+        acc, m, l = carry
+        k0 = start + i * block_k
+        pids = pt_ref[pl.ds(k0 // page, per_tile)]  # [per_tile]
+        k = k_ref[pids].reshape(block_k, e)
+        v = v_ref[pids].reshape(block_k, e)
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+        keys = k0 + jnp.arange(block_k)
+        s = jnp.where(keys[None, :] <= pos[:, None], s, -jnp.inf)  # [bq, bk]
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.exp(s - m_new[:, None])
+        alpha = jnp.exp(m - m_new)
+        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        live = k0 <= pos  # the row sees at least one key of this tile
+        acc = jnp.where(live[:, None], acc * alpha[:, None] + pv, acc)
+        l = jnp.where(live, l * alpha + jnp.sum(p, axis=1), l)
+        m = jnp.where(live, m_new, m)
+        return acc, m, l
+
+    init = (jnp.zeros((block_q, e), jnp.float32), jnp.full((block_q,), NEG, jnp.float32),
+            jnp.zeros((block_q,), jnp.float32))
+    acc, m, l = lax.fori_loop(0, tiles, body, init)
+    o_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def _tree_sum(x: jax.Array, axis: int) -> jax.Array:
+    """Sum over `axis` in a fixed pairwise order (elementwise adds only), whatever the other dims are."""
+    c = x.shape[axis]
+    width = 1 << (c - 1).bit_length()
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, width - c)
+    x = jnp.pad(x, pad)
+    while x.shape[axis] > 1:
+        x = lax.slice_in_dim(x, 0, None, 2, axis) + lax.slice_in_dim(x, 1, None, 2, axis)
+    return lax.index_in_dim(x, 0, axis, keepdims=False)
+
+
+def _check(q, k_pages, v_pages, page_table, positions, bs: BlockSizes):
+    if q.ndim != 4 or k_pages.ndim != 4:
+        raise ValueError(f"want q [B, T, H, E] and pages [P, page, G, E], got {q.shape=} {k_pages.shape=}")
+    b, t, h, e = q.shape
+    _, page, g, ek = k_pages.shape
+    if v_pages.shape != k_pages.shape:
+        raise ValueError(f"{v_pages.shape=} must equal {k_pages.shape=}")
+    if ek != e or e not in (64, 128, 256):
+        raise ValueError(f"head dim {e=} (pages {ek}) must match and be one of 64, 128, 256")
+    if h % g:
+        raise ValueError(f"query heads {h=} must be a multiple of KV heads {g=}")
+    if page_table.ndim != 2 or page_table.shape[0] != b or positions.shape != (b, t):
+        raise ValueError(f"{page_table.shape=} must be [B={b}, n] and {positions.shape=} [B, T]=[{b}, {t}]")
+    for name in ("block_q", "block_k", "chunk_k"):
+        v = getattr(bs, name)
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"{name}={v} must be a power of 2 >= 16")
+    if bs.block_k % page or bs.chunk_k % bs.block_k:
+        raise ValueError(f"block_k={bs.block_k} must be a multiple of {page=}, chunk_k={bs.chunk_k} of block_k")
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
+def paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    positions: jax.Array,
+    *,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Causal GQA attention of q rows over a lane's pages: ``[B, T, H, E]`` in ``q.dtype``."""
+    bs = block_sizes or BlockSizes()
+    _check(q, k_pages, v_pages, page_table, positions, bs)
+    b, t, h, e = q.shape
+    _, page, g, _ = k_pages.shape
+    r = h // g
+    rows = t * r
+    rows_pad = pl.cdiv(rows, bs.block_q) * bs.block_q
+    qr = q.reshape(b, t, g, r, e).transpose(0, 2, 1, 3, 4).reshape(b, g, rows, e)  # row = t * R + head
+    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
+    pos = jnp.broadcast_to(positions[:, :, None], (b, t, r)).reshape(b, rows).astype(jnp.int32)
+    pos = jnp.pad(pos, ((0, 0), (0, rows_pad - rows)), constant_values=-1)
+    span = page_table.shape[1] * page  # keys a lane can hold
+    chunks = pl.cdiv(span, bs.chunk_k)
+    pt = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, chunks * bs.chunk_k // page - page_table.shape[1])))
+    pos = jnp.minimum(pos, span - 1)
+    qb = rows_pad // bs.block_q
+    p_total = k_pages.shape[0]
+    kernel = functools.partial(_paged_kernel, page=page, block_k=bs.block_k, chunk_k=bs.chunk_k, scale=e**-0.5)
+    o, m, l = pl.pallas_call(
+        kernel,
+        grid=(qb, chunks, g, b),  # query blocks fastest: they share a chunk's keys in L2
+        in_specs=[
+            pl.BlockSpec((None, None, bs.block_q, e), lambda i, c, j, n: (n, j, i, 0)),
+            pl.BlockSpec((None, bs.block_q), lambda i, c, j, n: (n, i)),
+            pl.BlockSpec((None, pt.shape[1]), lambda i, c, j, n: (n, 0)),
+            pl.BlockSpec((p_total, page, None, e), lambda i, c, j, n: (0, 0, j, 0)),
+            pl.BlockSpec((p_total, page, None, e), lambda i, c, j, n: (0, 0, j, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, bs.block_q, e), lambda i, c, j, n: (n, j, c, i, 0)),
+            pl.BlockSpec((None, None, None, bs.block_q), lambda i, c, j, n: (n, j, c, i)),
+            pl.BlockSpec((None, None, None, bs.block_q), lambda i, c, j, n: (n, j, c, i)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, g, chunks, rows_pad, e), jnp.float32),
+            jax.ShapeDtypeStruct((b, g, chunks, rows_pad), jnp.float32),
+            jax.ShapeDtypeStruct((b, g, chunks, rows_pad), jnp.float32),
+        ],
+        compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
+        interpret=interpret,
+        name="paged_attention",
+    )(qr, pos, pt, k_pages, v_pages)
+    top = jnp.max(m, axis=2, keepdims=True)  # max is exact in any order
+    w = jnp.exp(m - top)  # [B, G, C, rows]; 0 for chunks a row cannot see
+    lsum = _tree_sum(w * l, axis=2)
+    osum = _tree_sum(w[..., None] * o, axis=2)  # [B, G, rows, E]
+    out = jnp.where(lsum[..., None] > 0, osum / jnp.where(lsum > 0, lsum, 1.0)[..., None], 0.0)
+    out = out[:, :, :rows].reshape(b, g, t, r, e).transpose(0, 2, 1, 3, 4).reshape(b, t, h, e)
+    return out.astype(q.dtype)
+
+
+def reference(q, k_pages, v_pages, page_table, positions) -> jax.Array:
+    """Plain jax.numpy: gather the lane's pages, then `tfjax.models.layers.attention_reference`."""
+    from tfjax.models import layers
+
+    k, v = layers.gather_pages(layers.KVPages(k_pages, v_pages), page_table)
+    return layers.attention_reference(q, k, v, positions)

@@ -1,0 +1,101 @@
+"""The Pallas paged verify/decode attention equals the reference and is row-invariant.
+
+Each case runs in interpret mode on the CPU (default) and compiled on a GPU under `-m gpu`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import attention as pa
+
+SMALL = pa.BlockSizes(block_q=16, block_k=32, chunk_k=64)
+
+
+def _case(rng, b, t, h, g, e, n, page, dtype, positions=None):
+    p = b * n + 3  # a pool larger than the lanes' pages, shuffled: pages are not in position order
+    kp = jnp.asarray(rng.standard_normal((p, page, g, e)), dtype)
+    vp = jnp.asarray(rng.standard_normal((p, page, g, e)), dtype)
+    pt = jnp.asarray(rng.permutation(p)[: b * n].reshape(b, n), jnp.int32)
+    q = jnp.asarray(rng.standard_normal((b, t, h, e)), dtype)
+    if positions is None:
+        ends = rng.integers(t - 1, n * page, size=b)
+        positions = ends[:, None] - t + 1 + np.arange(t)[None]
+    return q, kp, vp, pt, jnp.asarray(positions, jnp.int32)
+
+
+def _rel_err(y, r):
+    y, r = np.asarray(y, np.float64), np.asarray(r, np.float64)
+    return np.linalg.norm(y - r) / np.linalg.norm(r)
+
+
+def _check(args, bs, interpret, dtype):
+    y = pa.paged_attention(*args, block_sizes=bs, interpret=interpret)
+    r = pa.reference(*args)
+    assert y.shape == args[0].shape and y.dtype == dtype
+    assert np.isfinite(np.asarray(y, np.float32)).all()
+    assert _rel_err(y, r) < (1e-5 if dtype == jnp.float32 else 1e-2)
+
+
+# (positions per lane): length 1, a page boundary (15 -> 16), block + 1 (32 -> 33), a chunk edge (63, 64)
+RAGGED = [[[0], [16]], [[15], [32]], [[63], [64]]]
+
+
+@pytest.mark.parametrize("positions", RAGGED)
+def test_interpret_decode_ragged_lengths_match_reference(positions):
+    rng = np.random.default_rng(len(str(positions)))
+    _check(_case(rng, 2, 1, 4, 2, 64, 6, 16, jnp.float32, positions), SMALL, True, jnp.float32)
+
+
+@pytest.mark.parametrize("e,h,g", [(64, 6, 2), (128, 4, 4), (256, 2, 1)])
+def test_interpret_verify_rows_gqa_head_dims_match_reference(e, h, g):
+    rng = np.random.default_rng(e + h)
+    _check(_case(rng, 2, 3, h, g, e, 8, 16, jnp.float32), SMALL, True, jnp.float32)
+
+
+def test_interpret_rows_bit_identical_to_each_row_alone():
+    rng = np.random.default_rng(3)
+    q, kp, vp, pt, pos = _case(rng, 1, 5, 4, 2, 64, 8, 16, jnp.float32, [[60, 61, 62, 63, 64]])
+    f = lambda q, pos: np.asarray(pa.paged_attention(q, kp, vp, pt, pos, block_sizes=SMALL, interpret=True))
+    full = f(q, pos)
+    for i in range(5):
+        np.testing.assert_array_equal(f(q[:, i : i + 1], pos[:, i : i + 1])[:, 0], full[:, i], err_msg=f"row {i}")
+
+
+def test_bad_shapes_raise_naming_the_value():
+    rng = np.random.default_rng(4)
+    q, kp, vp, pt, pos = _case(rng, 1, 1, 4, 2, 64, 4, 16, jnp.float32)
+    with pytest.raises(ValueError, match="block_k=24"):
+        pa.paged_attention(q, kp, vp, pt, pos, block_sizes=pa.BlockSizes(block_k=24), interpret=True)
+    with pytest.raises(ValueError, match="h=3"):
+        pa.paged_attention(q[:, :, :3], kp, vp, pt, pos, block_sizes=SMALL, interpret=True)
+
+
+# The same cases compiled on a GPU: `pytest -m gpu tests/test_attention_kernel.py` on the device.
+@pytest.mark.gpu
+@pytest.mark.parametrize("positions", RAGGED)
+def test_gpu_decode_ragged_lengths_match_reference(positions):
+    assert jax.default_backend() == "gpu"
+    rng = np.random.default_rng(11)
+    _check(_case(rng, 2, 1, 24, 4, 256, 6, 16, jnp.bfloat16, positions), SMALL, False, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("e,h,g,t", [(64, 8, 2, 1), (128, 16, 4, 7), (256, 24, 4, 16)])
+def test_gpu_verify_rows_match_reference(e, h, g, t):
+    rng = np.random.default_rng(e + t)
+    _check(_case(rng, 2, t, h, g, e, 200, 16, jnp.bfloat16), None, False, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_rows_bit_identical_to_each_row_alone():
+    rng = np.random.default_rng(5)
+    t = 16
+    q, kp, vp, pt, pos = _case(rng, 2, t, 24, 4, 256, 300, 16, jnp.bfloat16, [np.arange(t) + 3000, np.arange(t) + 77])
+    f = lambda q, pos: np.asarray(pa.paged_attention(q, kp, vp, pt, pos)).view(np.uint16)
+    full = f(q, pos)
+    for i in range(t):
+        np.testing.assert_array_equal(f(q[:, i : i + 1], pos[:, i : i + 1])[:, 0], full[:, i], err_msg=f"row {i}")

@@ -43,16 +43,24 @@ def _dot_t(x: jax.Array, w: jax.Array) -> jax.Array:
     return y.astype(x.dtype)
 
 
+def opaque_count(n: jax.Array | int) -> jax.Array:
+    """A loop bound XLA cannot fold on the reference path (see `fenced_map`); the plain value with kernels."""
+    n = jnp.asarray(n, jnp.int32)
+    return n if use_kernels() else jax.lax.optimization_barrier(n)
+
+
 def fenced_map(fn, xs):
-    """`lax.map` whose trip count XLA cannot see: even one iteration stays a loop body compiled on its own.
+    """`lax.map` whose trip count XLA cannot see (reference path): one iteration stays a loop body of its own.
 
     XLA inlines a loop it knows runs once and then fuses its body with the neighbours, which changes the
     arithmetic of reductions; a row computed alone would then differ from the same row among others.
     """
+    if use_kernels():  # GPU: a known trip count keeps the loop free of host syncs; kernels own invariance there
+        return jax.lax.map(fn, xs)
     n = jax.tree.leaves(xs)[0].shape[0]
     first = jax.eval_shape(fn, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), xs))
     out = jax.tree.map(lambda s: jnp.zeros((n, *s.shape), s.dtype), first)
-    trips = jax.lax.optimization_barrier(jnp.int32(n))
+    trips = opaque_count(n)
 
     def body(i, out):
         y = fn(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), xs))

@@ -37,17 +37,20 @@ def recurrent(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax
 
 
 def _lane_recurrent(state, q, k, v, g, beta, count):
-    """One lane: `step` over its first `count` rows (a loop of unseen length, so XLA never inlines a step)."""
+    """One lane: `step` over its first `count` rows; on the reference path a loop XLA cannot inline."""
+    from tfjax import ops
+
     t = q.shape[0]
-    trips = jax.lax.optimization_barrier(count)
 
     def body(i, carry):
         s, out = carry
-        s, o = step(s[None], *(jax.lax.dynamic_index_in_dim(a, i, keepdims=True) for a in (q, k, v, g, beta)))
-        return s[0], jax.lax.dynamic_update_index_in_dim(out, o[0], i, 0)
+        s_new, o = step(s[None], *(jax.lax.dynamic_index_in_dim(a, i, keepdims=True) for a in (q, k, v, g, beta)))
+        s = jnp.where(i < count, s_new[0], s)
+        return s, jax.lax.dynamic_update_index_in_dim(out, o[0], i, 0)
 
     out = jnp.zeros((t, *v.shape[1:]), jnp.float32)
-    return jax.lax.fori_loop(0, jnp.minimum(trips, t), body, (state, out))
+    trips = t if ops.use_kernels() else jnp.minimum(ops.opaque_count(count), t)
+    return jax.lax.fori_loop(0, trips, body, (state, out))
 
 
 def chunked(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,

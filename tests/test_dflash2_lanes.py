@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -62,3 +64,25 @@ def test_block_drafter_facts_reach_the_round(target, drafter):
     assert engine.runner.spec.facts.draft_block == 4
     assert engine.runner.spec.facts.copy_match == 5  # not the dense 27B: the target's own match
     assert np.asarray(engine.runner.state.block).shape == (4, 4)
+
+
+def test_drafter_context_after_rounds_equals_a_fresh_prefill_of_the_committed_tokens(target, drafter):
+    """After rounds the drafter sees the committed tokens exactly as if the whole history were a prompt."""
+    import jax.numpy as jnp
+
+    from tfjax.drafters import train
+
+    engine = Engine(target, LANES, drafter=drafter, eos_ids=())
+    engine.submit(Request(_repetitive_prompt(50), max_tokens=60))
+    for _ in range(6):
+        engine.step()
+    state = engine.runner.state
+    n = int(state.length[0])
+    history = jnp.asarray(state.history[0, : n - 1])[None]
+    feats = train.tap_features(*models.split(target), history, drafter.config.target_layer_ids)
+    fresh = drafter.absorb(feats, jnp.array([0]), jnp.array([n - 1]), drafter.init_cache(1, LANES.context, 16))
+    pending, start = state.history[0, n - 1][None], jnp.array([n - 1])
+    ours = drafter.block_hidden(target, pending, start, dataclasses.replace(
+        state.draft_cache, page_table=state.draft_cache.page_table[:1]))
+    ref = drafter.block_hidden(target, pending, start, fresh)
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), rtol=2e-3, atol=2e-3)

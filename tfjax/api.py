@@ -41,18 +41,26 @@ class LLM:
     """A loaded target (and optional drafter) behind an engine with `lanes` lanes."""
 
     def __init__(self, path: Path, *, drafter: str | Path | None = None, lanes: int = 4, width: int = 8,
-                 context: int = 2048, copy_match: int = 0, dtype: str | None = None):
+                 context: int = 2048, copy_match: int = 0, copies: bool = True, dtype: str | None = None):
         self.path = path
         self.model, self.config = checkpoint.load(path, dtype=dtype, progress=True)
         self.tokenizer = Tokenizer.from_dir(path)
         draft_model = None
         if drafter is not None:
-            draft_model, _ = checkpoint.load(resolve(drafter), dtype=dtype, progress=True)
+            from tfjax.drafters import dflash2_checkpoint
+
+            draft_path = resolve(drafter)
+            if dflash2_checkpoint.is_dflash(draft_path):  # a block drafter: checked against this target
+                draft_model = dflash2_checkpoint.load(draft_path, dtype=dtype, target=self.config)
+            else:
+                draft_model, _ = checkpoint.load(draft_path, dtype=dtype, progress=True)
         self.lanes = LaneConfig(capacity=lanes, width=width, context=context)
         eos = tuple(self.tokenizer.eos_ids) or self.config.eos_token_id
         self.engine = Engine(self.model, self.lanes, drafter=draft_model, eos_ids=eos)
-        if copy_match:
-            self.engine.runner.set_facts(RoundFacts(copy_match=copy_match, draft_block=0))
+        if copy_match or not copies:  # copy_match replaces the merged facts' match; copies=False turns them off
+            facts = self.engine.runner.spec.facts
+            self.engine.runner.set_facts(RoundFacts(copy_match=(copy_match or facts.copy_match) if copies else 0,
+                                                    draft_block=facts.draft_block))
 
     def encode(self, prompt: str | list[dict], chat: bool | None = None) -> list[int]:
         """Token ids of a prompt string, or of chat messages rendered with the checkpoint's template."""

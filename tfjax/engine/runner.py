@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from tfjax import models, sampling
+from tfjax.drafters.dflash2 import DFlashDrafter
+from tfjax.lanes import blocks
 from tfjax.lanes import round as lane_round_mod
 from tfjax.lanes.config import LaneConfig
 from tfjax.lanes.drafter import ModelFacts, RoundFacts, round_facts
@@ -18,6 +20,9 @@ class Runner:
     def __init__(self, target, lanes: LaneConfig, drafter=None, prefill_chunk: int = 256,
                  target_facts: ModelFacts | None = None, drafter_facts=None):
         self.lanes = lanes
+        self.block_drafter = isinstance(drafter, DFlashDrafter)
+        if drafter_facts is None and self.block_drafter:
+            drafter_facts = drafter.facts
         self.target_def, self.target_params = models.split(target)
         self.drafter_def, self.drafter_params = (None, None) if drafter is None else models.split(drafter)
         self.chunk = prefill_chunk
@@ -31,7 +36,8 @@ class Runner:
             history=jnp.zeros((n, lanes.context), jnp.int32), length=jnp.ones((n,), jnp.int32),
             active=jnp.zeros((n,), bool), drafting=jnp.zeros((n,), bool),
             sampling=sampling.SamplingParams.create(n), cache=cache, draft_cache=draft_cache,
-            draft_len=jnp.zeros((n,), jnp.int32))
+            draft_len=jnp.zeros((n,), jnp.int32),
+            block=blocks.empty_blocks(n, drafter.config.block_size) if self.block_drafter else None)
         target_facts = target_facts or ModelFacts(root_copies=True, enter_match=lanes.enter_match)
         self.spec = lane_round_mod.RoundSpec(lanes, round_facts(target_facts, drafter_facts))
 
@@ -58,8 +64,12 @@ class Runner:
         row[len(pages):] = self.pages  # out of the pool: writes there are dropped
         st = self.state
         st.cache.page_table = st.cache.page_table.at[lane].set(jnp.asarray(row))
-        logits, st.cache = self._prefill_model(self.target_def, self.target_params, st.cache, lane, prompt_arr)
-        if st.draft_cache is not None:
+        if self.block_drafter:
+            st.draft_cache.page_table = st.draft_cache.page_table.at[lane].set(jnp.asarray(row))
+            logits = self._prefill_with_taps(lane, prompt_arr)
+        else:
+            logits, st.cache = self._prefill_model(self.target_def, self.target_params, st.cache, lane, prompt_arr)
+        if st.draft_cache is not None and not self.block_drafter:
             st.draft_cache.page_table = st.draft_cache.page_table.at[lane].set(jnp.asarray(row))
             _, st.draft_cache = self._prefill_model(self.drafter_def, self.drafter_params, st.draft_cache, lane,
                                                     prompt_arr)
@@ -69,7 +79,22 @@ class Runner:
         history[len(prompt)] = first
         self.state = lane_round_mod.admit(st, jnp.int32(lane), jnp.asarray(history), jnp.int32(len(prompt) + 1),
                                           jnp.bool_(drafting), params, jnp.asarray(row))
+        if self.block_drafter:
+            self.state = blocks.first_block(self.target_def, self.target_params, self.drafter_def,
+                                            self.drafter_params, self.state, jnp.int32(lane))
         return first
+
+    def _prefill_with_taps(self, lane: int, prompt: np.ndarray):
+        """Prompt chunks through the target, their tapped states into the block drafter's context."""
+        st, logits = self.state, None
+        for s in range(0, len(prompt), self.chunk):
+            piece = prompt[s : s + self.chunk]
+            tokens = np.zeros((1, self.chunk), np.int32)
+            tokens[0, : len(piece)] = piece
+            logits, st.cache, st.draft_cache = blocks.prefill_chunk(
+                self.target_def, self.target_params, self.drafter_def, self.drafter_params, st.cache, st.draft_cache,
+                jnp.int32(lane), jnp.asarray(tokens), jnp.int32(s), jnp.int32(len(piece)))
+        return logits
 
     def round(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """One lane round: committed tokens [L, W], counts [L], proposals offered [L] (host arrays)."""

@@ -1,13 +1,15 @@
 """The lane round: one jitted function that plans, verifies, accepts and rolls back for every lane.
 
 Per round, for each live lane with `length` tokens (its last one, the pending token, not yet fed):
-1. plan: a root copy (`copy_match` tokens matched) or else the draft model's greedy chain; none for a
-   lane that asked for `draft: false`;
+1. plan: a root copy (`copy_match` tokens matched) or else the drafter's proposals (a block drafter's block,
+   drafted at the end of the previous round, or a draft model's greedy chain); none for `draft: false`;
 2. verify: one target forward over rows [pending, *proposals] at positions length-1 .. length-1+P;
 3. accept: the leading proposals equal to the target's own keyed sample, plus the sample at the first
    disagreement (the bonus token);
 4. roll back: KV simply keeps the committed length; DeltaNet state is replayed from the round's start
-   over the committed rows only.
+   over the committed rows only;
+5. draft next (block drafters): the verify pass also returns the target's tapped hidden states; the drafter
+   writes context K/V for the committed rows only and drafts the next block from the new pending token.
 Shapes are fixed by the static `RoundSpec`, so plain and drafted lanes run the same arithmetic.
 """
 
@@ -49,6 +51,7 @@ class LaneState:
     cache: Cache
     draft_cache: Cache | None
     draft_len: jax.Array  # [L] i32, positions the drafter has absorbed
+    block: jax.Array | None = None  # [L, B-1] i32, a block drafter's proposals for the next round
 
 
 @jax.tree_util.register_dataclass
@@ -123,7 +126,12 @@ def lane_round(target_def, target_params, drafter_def, drafter_params, state: La
     proposals = jnp.zeros((n_lanes, n_prop), jnp.int32)
     count = jnp.zeros((n_lanes,), jnp.int32)
     drafts = None
-    if drafter_def is not None and n_prop > 0:
+    blocks = drafter_def is not None and spec.facts.draft_block > 0
+    if blocks and n_prop > 0:
+        nb = min(state.block.shape[1], n_prop)
+        proposals = proposals.at[:, :nb].set(state.block[:, :nb])
+        count = jnp.full((n_lanes,), nb, jnp.int32)
+    elif drafter_def is not None and n_prop > 0:
         drafts, draft_stack = _draft_chain(drafter_def, drafter_params, state, width, context)
         proposals, count = drafts, jnp.full((n_lanes,), n_prop, jnp.int32)
     if spec.facts.copy_match > 0 and n_prop > 0:
@@ -137,8 +145,12 @@ def lane_round(target_def, target_params, drafter_def, drafter_params, state: La
     # 2. verify
     rows = jnp.concatenate([pending[:, None], proposals], axis=1)  # [L, W]
     start = jnp.where(state.active, length - 1, context)  # idle lanes write nowhere
-    logits, cache, traces = _forward(target_def, target_params, rows, start, jnp.full_like(start, width),
-                                     state.cache, ROWS)
+    mode = ROWS
+    if blocks:
+        drafter = nnx.merge(drafter_def, drafter_params)
+        mode = dataclasses.replace(ROWS, taps=drafter.config.target_layer_ids)
+    logits, cache, traces, *taps = _forward(target_def, target_params, rows, start, jnp.full_like(start, width),
+                                            state.cache, mode)
     positions = length[:, None] + jnp.arange(width)[None, :]
     chosen = sampling.sample(logits, positions, state.sampling)  # [L, W]
 
@@ -158,8 +170,15 @@ def lane_round(target_def, target_params, drafter_def, drafter_params, state: La
         good = jnp.minimum(jnp.sum(jnp.cumprod(right.astype(jnp.int32), axis=1), axis=1), n_prop - 1)
         draft_cache = _select_delta(draft_stack, good)
         draft_len = jnp.where(state.active, length + good, draft_len)
+    block = state.block
+    if blocks:  # 5. the drafter absorbs the committed rows (never the rejected ones) and drafts the next block
+        draft_cache = drafter.absorb(taps[0], start, committed, state.draft_cache)
+        new_len = length + committed
+        pend = history[lanes, jnp.maximum(new_len - 1, 0)]
+        block = drafter.propose(nnx.merge(target_def, target_params), pend,
+                                jnp.where(state.active, new_len - 1, context), draft_cache)
     new = dataclasses.replace(state, history=history, length=length + committed, cache=cache,
-                              draft_cache=draft_cache, draft_len=draft_len)
+                              draft_cache=draft_cache, draft_len=draft_len, block=block)
     return new, RoundOut(jnp.where(keep, chosen, -1), committed, count)
 
 

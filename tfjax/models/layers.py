@@ -26,6 +26,7 @@ class Mode:
 
     rows: bool = False
     last_only: bool = False  # logits for each lane's last valid row only
+    taps: tuple[int, ...] = ()  # also return these layers' outputs, concatenated (a block drafter's context)
 
 
 PROMPT = Mode(rows=False, last_only=True)

@@ -312,21 +312,26 @@ class CausalLM(nnx.Module):
         table = jnp.arange(lanes * per_lane, dtype=jnp.int32).reshape(lanes, per_lane) % pages
         return Cache(layers, table)
 
-    def __call__(self, tokens: jax.Array, start: jax.Array, valid: jax.Array, cache: Cache,
-                 mode: Mode) -> tuple[jax.Array, Cache, list]:
-        """Logits [B, T, V] f32 (or [B, V] for the last valid row), the new cache, DeltaNet traces."""
+    def __call__(self, tokens: jax.Array, start: jax.Array, valid: jax.Array, cache: Cache, mode: Mode) -> tuple:
+        """Logits [B, T, V] f32 (or [B, V] for the last valid row), the new cache, DeltaNet traces; with
+        `mode.taps` also the tapped layers' outputs [B, T, len(taps) * D] (the last layer's after the norm)."""
         b, t = tokens.shape
         positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         x = self.model["embed_tokens"](tokens)  # [B, T, D]
-        new_layers, traces = [], []
-        for layer, lc in zip(self.model["layers"], cache.layers, strict=True):
+        new_layers, traces, tapped = [], [], {}
+        for i, (layer, lc) in enumerate(zip(self.model["layers"], cache.layers, strict=True)):
             x, lc, tr = layer(x, positions, valid, lc, cache.page_table, mode)
             new_layers.append(lc)
             traces.append(tr)
+            tapped[i] = x
         x = self.model["norm"](x, mode.rows)
+        tapped[len(new_layers) - 1] = x
+        taps = jnp.concatenate([tapped[i] for i in mode.taps], axis=-1) if mode.taps else None
         if mode.last_only:
             x = jnp.take_along_axis(x, jnp.maximum(valid - 1, 0)[:, None, None], axis=1)[:, 0]
         logits = self.logits(x, mode.rows)
+        if mode.taps:
+            return logits, Cache(new_layers, cache.page_table), traces, taps
         return logits, Cache(new_layers, cache.page_table), traces
 
     def logits(self, x: jax.Array, rows: bool = False) -> jax.Array:

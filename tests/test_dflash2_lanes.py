@@ -1,0 +1,88 @@
+"""A DFlash2 block drafter in lane rounds: whatever it proposes, drafted == plain, alone and beside other lanes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from tests.test_dflash2 import drafter_config
+from tests.test_lanes import SAMPLED, _repetitive_prompt
+from tfjax import geometry, models
+from tfjax.drafters import dflash2
+from tfjax.engine import Engine, Request
+from tfjax.lanes.config import LaneConfig
+
+LANES = LaneConfig(capacity=4, width=5, context=192, page_size=16)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return models.build(geometry.tiny_dense, seed=11)
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    raw = drafter_config(vocab_size=geometry.tiny_dense.vocab_size)
+    raw["dflash_config"].update(block_size=5, target_layer_ids=[0, 2, 3])
+    return dflash2.build(dflash2.DFlashConfig.from_dict(raw), seed=12).bind(geometry.tiny_dense)
+
+
+def _run(target, requests, drafter=None):
+    return Engine(target, LANES, drafter=drafter, eos_ids=()).run(requests)
+
+
+@pytest.mark.parametrize("params", [{}, SAMPLED], ids=["greedy", "sampled"])
+def test_drafted_equals_plain_with_a_random_block_drafter(target, drafter, params):
+    prompts = [_repetitive_prompt(s + 30) for s in range(2)]
+    plain = _run(target, [Request(p, max_tokens=20, draft=False, **params) for p in prompts])
+    drafted = _run(target, [Request(p, max_tokens=20, **params) for p in prompts], drafter=drafter)
+    for a, b in zip(plain, drafted, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.token_sha256 == b.token_sha256
+    assert all(r.proposed > 0 for r in drafted), "the block never reached the verify rows"
+
+
+def test_four_staggered_lanes_with_a_block_drafter_equal_plain_alone(target, drafter):
+    reqs = [dict(prompt=_repetitive_prompt(40 + i, 30 + 7 * i), max_tokens=10 + 5 * i,
+                 **(SAMPLED if i % 2 else {})) for i in range(4)]
+    alone = [_run(target, [Request(**r, draft=False)])[0].token_ids for r in reqs]
+    engine = Engine(target, LANES, drafter=drafter, eos_ids=())
+    ids = []
+    for r in reqs:  # one arrival per step, while others are mid-decode
+        ids.append(engine.submit(Request(**r)))
+        engine.step()
+    while any(i not in engine.results for i in ids):
+        engine.step()
+    for i, expected in zip(ids, alone, strict=True):
+        assert engine.results[i].token_ids == expected
+
+
+def test_block_drafter_facts_reach_the_round(target, drafter):
+    engine = Engine(target, LANES, drafter=drafter, eos_ids=())
+    assert engine.runner.spec.facts.draft_block == 4
+    assert engine.runner.spec.facts.copy_match == 5  # not the dense 27B: the target's own match
+    assert np.asarray(engine.runner.state.block).shape == (4, 4)
+
+
+def test_drafter_context_after_rounds_equals_a_fresh_prefill_of_the_committed_tokens(target, drafter):
+    """After rounds the drafter sees the committed tokens exactly as if the whole history were a prompt."""
+    import jax.numpy as jnp
+
+    from tfjax.drafters import train
+
+    engine = Engine(target, LANES, drafter=drafter, eos_ids=())
+    engine.submit(Request(_repetitive_prompt(50), max_tokens=60))
+    for _ in range(6):
+        engine.step()
+    state = engine.runner.state
+    n = int(state.length[0])
+    history = jnp.asarray(state.history[0, : n - 1])[None]
+    feats = train.tap_features(*models.split(target), history, drafter.config.target_layer_ids)
+    fresh = drafter.absorb(feats, jnp.array([0]), jnp.array([n - 1]), drafter.init_cache(1, LANES.context, 16))
+    pending, start = state.history[0, n - 1][None], jnp.array([n - 1])
+    ours = drafter.block_hidden(target, pending, start, dataclasses.replace(
+        state.draft_cache, page_table=state.draft_cache.page_table[:1]))
+    ref = drafter.block_hidden(target, pending, start, fresh)
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), rtol=2e-3, atol=2e-3)

@@ -214,3 +214,20 @@ def test_default_seed_is_a_stable_31_bit_hash_of_the_prompt():
     digest = hashlib.sha256(b"".join(i.to_bytes(4, "little") for i in prompt)).digest()
     assert seed == int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
     assert 0 <= seed < 2**31 and default_seed(prompt + [1]) != seed
+
+
+def test_candidate_filter_equals_the_full_sort_filter_for_small_top_k():
+    """Lanes with top_k within CANDIDATES filter among lax.top_k candidates: the same tokens survive."""
+    from tfjax.sampling import _keep_mask
+
+    rng = np.random.default_rng(5)
+    logits = rng.standard_normal((3, 4, 1000)).astype(np.float32)
+    logits[..., 500:520] = logits[..., :20]  # ties across ids
+    scaled = jnp.asarray(np.round(logits, 1))
+    top_k = jnp.asarray([20, 1, 256], jnp.int32)
+    top_p = jnp.asarray([0.9, 1.0, 0.5], jnp.float32)
+    min_p = jnp.asarray([0.0, 0.0, 0.05], jnp.float32)
+    full = _keep_mask(scaled, top_k, top_p, min_p)
+    cand = _keep_mask(scaled, top_k, top_p, min_p, 256)
+    assert np.array_equal(np.asarray(full), np.asarray(cand))
+    assert 1 <= int(np.asarray(cand).sum(-1).min()) and int(np.asarray(cand)[0].sum(-1).max()) <= 20

@@ -74,25 +74,33 @@ def gumbel_noise(seed: jax.Array, position: jax.Array, vocab: int) -> jax.Array:
     return jax.random.gumbel(key, (vocab,), dtype=jnp.float32)
 
 
-def _keep_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+CANDIDATES = 256  # a lane with 0 < top_k <= this filters among its top candidates only (no full-vocab sort)
+
+
+def _keep_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
+               candidates: int = 0) -> jax.Array:
     """Tokens that survive top-k, top-p (on the top-k distribution) and min-p: bool [L, R, V].
 
     Every filter keeps a prefix of the order (value descending, id ascending), so the survivors are the
     first c tokens of that order, c = min(c_k, c_p, c_m) >= 1; a token is kept iff it sorts at or before
-    the c-th one.
+    the c-th one. With `candidates`, only that many leading tokens are ordered (`lax.top_k`, ties to the
+    lower id); exact for lanes whose top_k is within them.
     """
-    v = scaled.shape[-1]
     ids = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, scaled.ndim - 1)  # [L, R, V]
-    neg_sorted, ids_sorted = jax.lax.sort((-scaled, ids), dimension=scaled.ndim - 1, num_keys=2)
-    vals = -neg_sorted  # descending values, ties by ascending id: [L, R, V]
-    rank = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, scaled.ndim - 1)
+    if candidates:
+        vals, ids_sorted = jax.lax.top_k(scaled, candidates)  # [L, R, n]
+    else:
+        neg_sorted, ids_sorted = jax.lax.sort((-scaled, ids), dimension=scaled.ndim - 1, num_keys=2)
+        vals = -neg_sorted  # descending values, ties by ascending id: [L, R, V]
+    n = vals.shape[-1]
+    rank = jax.lax.broadcasted_iota(jnp.int32, vals.shape, vals.ndim - 1)
     k = top_k[:, None]  # [L, 1]
-    c_k = jnp.where(k > 0, jnp.minimum(k, v), v)  # [L, 1]
-    probs = jax.nn.softmax(jnp.where(rank < c_k[..., None], vals, -jnp.inf), axis=-1)  # [L, R, V]
+    c_k = jnp.where(k > 0, jnp.minimum(k, n), n)  # [L, 1]
+    probs = jax.nn.softmax(jnp.where(rank < c_k[..., None], vals, -jnp.inf), axis=-1)  # [L, R, n]
     before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each sorted token
     inside = (before < top_p[:, None, None]) | (rank == 0)
-    c_p = jnp.where(jnp.all(inside, axis=-1), v, jnp.argmin(inside, axis=-1))  # first outside: [L, R]
-    c_p = jnp.where(top_p[:, None] >= 1.0, v, c_p)
+    c_p = jnp.where(jnp.all(inside, axis=-1), n, jnp.argmin(inside, axis=-1))  # first outside: [L, R]
+    c_p = jnp.where(top_p[:, None] >= 1.0, n, c_p)
     threshold = vals[..., :1] + jnp.log(min_p)[:, None, None]  # log(0) = -inf keeps everything
     c_m = jnp.sum(vals >= threshold, axis=-1)  # [L, R]
     c = jnp.minimum(jnp.minimum(c_k, c_p), c_m)  # [L, R] (c_m >= 1: the top always passes)
@@ -116,11 +124,17 @@ def sample(logits: jax.Array, positions: jax.Array, params: SamplingParams) -> j
         t = jnp.where(greedy_lane, 1.0, params.temperature)[:, None, None]
         scaled = logits / t + 0.0  # + 0.0 turns -0.0 into 0.0 so sort and compare agree on ties
         filtering = ~greedy_lane & ((params.top_k > 0) | (params.top_p < 1) | (params.min_p > 0))
-        keep = jax.lax.cond(
-            jnp.any(filtering),
-            lambda: _keep_mask(scaled, params.top_k, params.top_p, params.min_p),
-            lambda: jnp.ones(scaled.shape, dtype=bool),
-        )
+        # A lane's filter depends only on its own top_k: within CANDIDATES, a top_k over the candidates;
+        # otherwise the full sort. Each is computed only when some lane needs it.
+        n = min(CANDIDATES, vocab)
+        short = (params.top_k > 0) & (params.top_k <= n)  # [L]
+        everything = jnp.ones(scaled.shape, dtype=bool)
+        full = jax.lax.cond(jnp.any(filtering & ~short),
+                            lambda: _keep_mask(scaled, params.top_k, params.top_p, params.min_p), lambda: everything)
+        cand = jax.lax.cond(jnp.any(filtering & short),
+                            lambda: _keep_mask(scaled, params.top_k, params.top_p, params.min_p, n),
+                            lambda: everything)
+        keep = jnp.where(short[:, None, None], cand, full)
         noise = jax.vmap(jax.vmap(gumbel_noise, in_axes=(None, 0, None)), in_axes=(0, 0, None))(
             params.seed, positions, vocab
         )  # [L, R, V]

@@ -49,6 +49,24 @@ def test_greedy_lanes_beside_sampled_lanes_stay_argmax():
     np.testing.assert_array_equal(tokens[[0, 2]], greedy[[0, 2]])
 
 
+def _numpy_gumbel(seed: int, position: int, vocab: int) -> np.ndarray:
+    """The keyed noise written out in numpy: lowbias32 hashes of (seed, position, id) -> 24-bit uniforms."""
+
+    def mix(x):
+        x = np.asarray(x, np.uint64) & 0xFFFFFFFF
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) & 0xFFFFFFFF
+        x ^= x >> 15
+        x = (x * 0x846CA68B) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+
+    base = mix(mix(seed) ^ mix((position * 0x9E3779B9 + 0x632BE5AB) & 0xFFFFFFFF))
+    ids = np.arange(vocab, dtype=np.uint64)
+    bits = mix(base ^ mix((ids * 0x85EBCA6B + 0xC2B2AE35) & 0xFFFFFFFF))
+    u = ((bits >> 8).astype(np.float64) + 0.5) / 2**24
+    return (-np.log(-np.log(u))).astype(np.float32)
+
+
 def test_sampled_token_matches_the_keyed_formula():
     rng = np.random.default_rng(2)
     logits = _logits(rng, (2, 3, 30))
@@ -57,11 +75,10 @@ def test_sampled_token_matches_the_keyed_formula():
     tokens = np.asarray(sample_jit(logits, positions, params))
     for lane in range(2):
         for row in range(3):
-            key = jax.random.fold_in(
-                jax.random.fold_in(jax.random.key(0), params.seed[lane]), positions[lane, row]
-            )
-            noise = jax.random.gumbel(key, (30,), dtype=jnp.float32)
-            expect = np.argmax(np.asarray(logits[lane, row] / params.temperature[lane] + noise))
+            noise = _numpy_gumbel(int(params.seed[lane]), int(positions[lane, row]), 30)
+            assert np.allclose(noise, np.asarray(gumbel_noise(params.seed[lane], positions[lane, row],
+                                                               jnp.arange(30))), rtol=1e-5, atol=1e-5)
+            expect = np.argmax(np.asarray(logits[lane, row] / params.temperature[lane]) + noise)
             assert tokens[lane, row] == expect
 
 
@@ -97,9 +114,9 @@ def test_different_positions_give_different_draws():
     row = np.zeros(1000, np.float32) + rng.normal(size=1000).astype(np.float32) * 0.01  # near-uniform
     draws = _draws(row, 500, temperature=1.0, seed=9)
     assert len(set(draws.tolist())) > 300
-    noise_a = gumbel_noise(jnp.uint32(9), jnp.int32(10), 100)
-    noise_b = gumbel_noise(jnp.uint32(9), jnp.int32(11), 100)
-    noise_c = gumbel_noise(jnp.uint32(10), jnp.int32(10), 100)
+    noise_a = gumbel_noise(jnp.uint32(9), jnp.int32(10), jnp.arange(100))
+    noise_b = gumbel_noise(jnp.uint32(9), jnp.int32(11), jnp.arange(100))
+    noise_c = gumbel_noise(jnp.uint32(10), jnp.int32(10), jnp.arange(100))
     assert not np.array_equal(noise_a, noise_b) and not np.array_equal(noise_a, noise_c)
 
 
@@ -216,18 +233,21 @@ def test_default_seed_is_a_stable_31_bit_hash_of_the_prompt():
     assert 0 <= seed < 2**31 and default_seed(prompt + [1]) != seed
 
 
-def test_candidate_filter_equals_the_full_sort_filter_for_small_top_k():
-    """Lanes with top_k within CANDIDATES filter among lax.top_k candidates: the same tokens survive."""
+def test_candidate_path_draws_what_the_full_vocabulary_formula_draws():
+    """Lanes with top_k within CANDIDATES sample among lax.top_k candidates: the same token as the formula
+    over the whole vocabulary (full-sort filter mask, noise for every id)."""
     from tfjax.sampling import _keep_mask
 
     rng = np.random.default_rng(5)
     logits = rng.standard_normal((3, 4, 1000)).astype(np.float32)
     logits[..., 500:520] = logits[..., :20]  # ties across ids
-    scaled = jnp.asarray(np.round(logits, 1))
-    top_k = jnp.asarray([20, 1, 256], jnp.int32)
-    top_p = jnp.asarray([0.9, 1.0, 0.5], jnp.float32)
-    min_p = jnp.asarray([0.0, 0.0, 0.05], jnp.float32)
-    full = _keep_mask(scaled, top_k, top_p, min_p)
-    cand = _keep_mask(scaled, top_k, top_p, min_p, 256)
-    assert np.array_equal(np.asarray(full), np.asarray(cand))
-    assert 1 <= int(np.asarray(cand).sum(-1).min()) and int(np.asarray(cand)[0].sum(-1).max()) <= 20
+    logits = jnp.asarray(np.round(logits, 1))
+    positions = jnp.asarray(rng.integers(0, 5000, (3, 4)), jnp.int32)
+    params = SamplingParams.create(3, temperature=[1.0, 0.7, 1.5], top_k=[20, 1, 256], top_p=[0.9, 1.0, 0.5],
+                                   min_p=[0.0, 0.0, 0.05], seed=[1, 2, 3])
+    tokens = np.asarray(sample_jit(logits, positions, params))
+    scaled = logits / params.temperature[:, None, None] + 0.0
+    keep = _keep_mask(scaled, params.top_k, params.top_p, params.min_p)
+    noise = gumbel_noise(params.seed[:, None, None], positions[..., None], jnp.arange(1000))
+    expect = np.asarray(jnp.argmax(jnp.where(keep, scaled + noise, -jnp.inf), axis=-1))
+    assert np.array_equal(tokens, expect)

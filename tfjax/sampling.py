@@ -1,7 +1,7 @@
 """Keyed exact sampling: the token at absolute position p depends only on (logits, params, seed, p).
 
-Sampled token = argmax(logits / T + gumbel(seed, p)) over the tokens that survive top-k, then top-p, then
-min-p (filtered tokens are -inf); ties go to the lower id. Greedy (T == 0) is plain argmax(logits). The
+Sampled token = argmax(logits / T + gumbel(seed, p, id)) over the tokens that survive top-k, then top-p,
+then min-p (filtered tokens are -inf); ties go to the lower id. Greedy (T == 0) is plain argmax(logits). The
 noise for (seed, p) is a pure function of (seed, p, token id), never of the row, lane or batch size, so a
 drafted position samples the same token as a plain one given the same logits: that is exactness.
 """
@@ -68,30 +68,37 @@ class SamplingParams:
         return cls(jnp.asarray(t), jnp.asarray(k), jnp.asarray(p), jnp.asarray(m), jnp.asarray(s))
 
 
-def gumbel_noise(seed: jax.Array, position: jax.Array, vocab: int) -> jax.Array:
-    """Gumbel noise [V] for one (seed, absolute position): the only source of randomness in sampling."""
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(0), seed), position)
-    return jax.random.gumbel(key, (vocab,), dtype=jnp.float32)
+def _mix32(x: jax.Array) -> jax.Array:
+    """A 32-bit integer hash with full avalanche (lowbias32), uint32 in and out."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
 
 
-CANDIDATES = 256  # a lane with 0 < top_k <= this filters among its top candidates only (no full-vocab sort)
+def gumbel_noise(seed: jax.Array, position: jax.Array, ids: jax.Array) -> jax.Array:
+    """Gumbel noise for token `ids` at (seed, absolute position): a pure function of (seed, position, id).
 
-
-def _keep_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
-               candidates: int = 0) -> jax.Array:
-    """Tokens that survive top-k, top-p (on the top-k distribution) and min-p: bool [L, R, V].
-
-    Every filter keeps a prefix of the order (value descending, id ascending), so the survivors are the
-    first c tokens of that order, c = min(c_k, c_p, c_m) >= 1; a token is kept iff it sorts at or before
-    the c-th one. With `candidates`, only that many leading tokens are ordered (`lax.top_k`, ties to the
-    lower id); exact for lanes whose top_k is within them.
+    Counter-based, so the noise of any subset of ids (a lane's top candidates) costs only that subset.
+    seed, position and ids broadcast together; 24-bit uniforms, never 0 or 1.
     """
-    ids = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, scaled.ndim - 1)  # [L, R, V]
-    if candidates:
-        vals, ids_sorted = jax.lax.top_k(scaled, candidates)  # [L, R, n]
-    else:
-        neg_sorted, ids_sorted = jax.lax.sort((-scaled, ids), dimension=scaled.ndim - 1, num_keys=2)
-        vals = -neg_sorted  # descending values, ties by ascending id: [L, R, V]
+    u32 = jnp.uint32
+    base = _mix32(_mix32(seed.astype(u32)) ^ _mix32(position.astype(u32) * u32(0x9E3779B9) + u32(0x632BE5AB)))
+    bits = _mix32(base ^ _mix32(ids.astype(u32) * u32(0x85EBCA6B) + u32(0xC2B2AE35)))
+    uniform = ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / 2**24)
+    return -jnp.log(-jnp.log(uniform))
+
+
+CANDIDATES = 256  # a lane with 0 < top_k <= this samples among its top candidates only (no full-vocab work)
+
+
+def _cutoff(vals: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+    """How many leading tokens of the order (value descending, id ascending) survive: c [L, R] >= 1.
+
+    Every filter keeps a prefix of that order: c = min(c_k, c_p, c_m), top-p on the top-k distribution.
+    `vals` [L, R, n] are the leading n values of the order (n = V, or the candidates).
+    """
     n = vals.shape[-1]
     rank = jax.lax.broadcasted_iota(jnp.int32, vals.shape, vals.ndim - 1)
     k = top_k[:, None]  # [L, 1]
@@ -103,10 +110,24 @@ def _keep_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax
     c_p = jnp.where(top_p[:, None] >= 1.0, n, c_p)
     threshold = vals[..., :1] + jnp.log(min_p)[:, None, None]  # log(0) = -inf keeps everything
     c_m = jnp.sum(vals >= threshold, axis=-1)  # [L, R]
-    c = jnp.minimum(jnp.minimum(c_k, c_p), c_m)  # [L, R] (c_m >= 1: the top always passes)
+    return jnp.minimum(jnp.minimum(c_k, c_p), c_m)  # (c_m >= 1: the top always passes)
+
+
+def _keep_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Tokens that survive top-k, top-p and min-p over the whole vocabulary (one full sort): bool [L, R, V]."""
+    ids = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, scaled.ndim - 1)  # [L, R, V]
+    neg_sorted, ids_sorted = jax.lax.sort((-scaled, ids), dimension=scaled.ndim - 1, num_keys=2)
+    vals = -neg_sorted  # descending values, ties by ascending id
+    c = _cutoff(vals, top_k, top_p, min_p)
     last_val = jnp.take_along_axis(vals, c[..., None] - 1, axis=-1)  # [L, R, 1]
     last_id = jnp.take_along_axis(ids_sorted, c[..., None] - 1, axis=-1)
     return (scaled > last_val) | ((scaled == last_val) & (ids <= last_id))
+
+
+def _first_best(score: jax.Array, ids: jax.Array, vocab: int) -> jax.Array:
+    """The id with the highest score, the lower id on ties: [L, R] i32."""
+    best = jnp.max(score, axis=-1, keepdims=True)
+    return jnp.min(jnp.where(score == best, ids, vocab), axis=-1).astype(jnp.int32)
 
 
 def sample(logits: jax.Array, positions: jax.Array, params: SamplingParams) -> jax.Array:
@@ -119,26 +140,35 @@ def sample(logits: jax.Array, positions: jax.Array, params: SamplingParams) -> j
     vocab = logits.shape[-1]
     greedy_lane = params.temperature == 0  # [L]
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [L, R]
+    seed, pos = params.seed[:, None, None], positions[..., None]
 
     def sampled(_: None) -> jax.Array:
         t = jnp.where(greedy_lane, 1.0, params.temperature)[:, None, None]
         scaled = logits / t + 0.0  # + 0.0 turns -0.0 into 0.0 so sort and compare agree on ties
         filtering = ~greedy_lane & ((params.top_k > 0) | (params.top_p < 1) | (params.min_p > 0))
-        # A lane's filter depends only on its own top_k: within CANDIDATES, a top_k over the candidates;
-        # otherwise the full sort. Each is computed only when some lane needs it.
         n = min(CANDIDATES, vocab)
-        short = (params.top_k > 0) & (params.top_k <= n)  # [L]
-        everything = jnp.ones(scaled.shape, dtype=bool)
-        full = jax.lax.cond(jnp.any(filtering & ~short),
-                            lambda: _keep_mask(scaled, params.top_k, params.top_p, params.min_p), lambda: everything)
-        cand = jax.lax.cond(jnp.any(filtering & short),
-                            lambda: _keep_mask(scaled, params.top_k, params.top_p, params.min_p, n),
-                            lambda: everything)
-        keep = jnp.where(short[:, None, None], cand, full)
-        noise = jax.vmap(jax.vmap(gumbel_noise, in_axes=(None, 0, None)), in_axes=(0, 0, None))(
-            params.seed, positions, vocab
-        )  # [L, R, V]
-        drawn = jnp.argmax(jnp.where(keep, scaled, -jnp.inf) + noise, axis=-1).astype(jnp.int32)
+        # A lane's path depends only on its own top_k, so its token never depends on its neighbours.
+        short = filtering & (params.top_k > 0) & (params.top_k <= n)  # [L]
+        zeros = jnp.zeros(greedy_tokens.shape, jnp.int32)
+
+        def among_candidates() -> jax.Array:
+            vals, ids = jax.lax.top_k(scaled, n)  # [L, R, n], ties to the lower id
+            rank = jax.lax.broadcasted_iota(jnp.int32, vals.shape, vals.ndim - 1)
+            keep = rank < _cutoff(vals, params.top_k, params.top_p, params.min_p)[..., None]
+            score = jnp.where(keep, vals + gumbel_noise(seed, pos, ids), -jnp.inf)
+            return _first_best(score, ids, vocab)
+
+        def over_vocabulary() -> jax.Array:
+            ids = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, scaled.ndim - 1)
+            keep = jax.lax.cond(jnp.any(filtering & ~short),
+                                lambda: _keep_mask(scaled, params.top_k, params.top_p, params.min_p),
+                                lambda: jnp.ones(scaled.shape, dtype=bool))
+            score = jnp.where(keep, scaled + gumbel_noise(seed, pos, ids), -jnp.inf)
+            return _first_best(score, ids, vocab)
+
+        cand = jax.lax.cond(jnp.any(short), among_candidates, lambda: zeros)
+        full = jax.lax.cond(jnp.any(~greedy_lane & ~short), over_vocabulary, lambda: zeros)
+        drawn = jnp.where(short[:, None], cand, full)
         return jnp.where(greedy_lane[:, None], greedy_tokens, drawn)
 
     return jax.lax.cond(jnp.all(greedy_lane), lambda _: greedy_tokens, sampled, None)

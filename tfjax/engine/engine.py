@@ -131,6 +131,9 @@ class Engine:
         """Admit what fits, then one round for all live lanes."""
         with self.lock:
             for req, lane, pages in self.scheduler.admissible():
+                slot = self.scheduler.running.get(lane)
+                if slot is None or slot.request is not req:  # ended by a reset after an earlier failure
+                    continue
                 try:
                     self._admit(req, lane, pages)
                 except Exception as e:

@@ -179,3 +179,12 @@ def test_a_failing_round_ends_live_requests_with_an_error_and_the_engine_recover
     assert failed.finish_reason == "error" and "device call failed" in failed.error
     engine.runner.round = real_round
     assert engine.run([Request(prompt, max_tokens=8)])[0].token_ids == expected
+
+
+def test_a_finished_sampled_request_leaves_its_lane_greedy(target):
+    """Idle lanes must not keep a top-k: `sample` sorts every row of the round while any lane filters."""
+    engine = Engine(target, LANES, eos_ids=())
+    engine.run([Request(_repetitive_prompt(80 + i), max_tokens=4, seed=i, **SAMPLED) for i in range(LANES.capacity)])
+    params = engine.runner.state.sampling
+    assert not np.asarray(params.temperature).any() and not np.asarray(params.top_k).any()
+    assert np.all(np.asarray(params.top_p) == 1.0)

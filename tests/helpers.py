@@ -62,3 +62,33 @@ def prefill_then_steps(model, tokens: np.ndarray, n_prompt: int, context: int = 
                                        ROWS)
         rows.append(np.asarray(lg[0]))
     return np.concatenate(rows, axis=0)
+
+
+def make_tiny_llama_with_tokenizer(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """A tiny random llama checkpoint (float32) that speaks a real tokenizer (its vocabulary size and files)."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tfjax.checkpoint import TOKENIZER_FILES
+
+    vocab = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+                         max_position_embeddings=4096, eos_token_id=2, bos_token_id=1)
+    model = LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():  # peaked, varied logits, so greedy and sampled replies differ
+            p.normal_(0, 1.0 / max(p.shape[-1], 1) ** 0.5 if p.ndim > 1 else 0.1)
+            if p.ndim == 1:
+                p.add_(1.0)
+    model.save_pretrained(out, safe_serialization=True)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["dtype"] = "float32"
+    (out / "config.json").write_text(json.dumps(cfg))
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, out / name)
+    return out

@@ -144,3 +144,55 @@ def test_row_logits_are_bit_identical_alone_among_verify_rows_and_beside_other_l
     alone = row0_logits(1, 1)
     for lanes, width in [(1, 2), (1, 9), (2, 1), (4, 5), (16, 1), (16, 9)]:
         assert np.array_equal(row0_logits(lanes, width), alone), f"{lanes=} {width=}"
+
+
+def test_a_request_whose_callback_fails_ends_alone_and_the_others_are_unchanged(target):
+    reqs = [dict(prompt=_repetitive_prompt(40 + i), max_tokens=12, **(SAMPLED if i else {})) for i in range(2)]
+    alone = [_run(target, [Request(**r)])[0].token_ids for r in reqs]
+
+    def explode(tokens):
+        raise RuntimeError("callback failed")
+
+    finished = []
+    engine = Engine(target, LANES, eos_ids=())
+    bad = Request(_repetitive_prompt(50), max_tokens=12, on_tokens=explode, on_finish=finished.append)
+    waiting = [Request(_repetitive_prompt(60 + i), max_tokens=4, on_finish=finished.append) for i in range(4)]
+    ids = [engine.submit(Request(**r)) for r in reqs[:1]] + [engine.submit(bad)]
+    ids += [engine.submit(Request(**r)) for r in reqs[1:]]
+    for w in waiting:  # four more than the lanes hold: the last waits, and is cancelled while it waits
+        engine.submit(w)
+    engine.step()
+    engine.cancel(waiting[-1].id)
+    while engine.busy:
+        engine.step()
+    by_id = {r.request_id: r for r in finished}
+    assert by_id[bad.id].finish_reason == "error" and "callback failed" in by_id[bad.id].error
+    assert by_id[waiting[-1].id].finish_reason == "cancelled" and by_id[waiting[-1].id].token_ids == []
+    assert bad.id not in engine.results, "a request with on_finish gets its Result there, not in results"
+    assert [engine.results[i].token_ids for i in (ids[0], ids[2])] == alone
+
+
+def test_a_failing_round_ends_live_requests_with_an_error_and_the_engine_recovers(target):
+    engine = Engine(target, LANES, eos_ids=())
+    prompt = _repetitive_prompt(70)
+    expected = engine.run([Request(prompt, max_tokens=8)])[0].token_ids
+    real_round = engine.runner.round
+
+    def broken_round():
+        engine.runner.state.cache = None  # as if donated buffers were lost mid-call
+        raise RuntimeError("device call failed")
+
+    engine.runner.round = broken_round
+    failed = engine.run([Request(prompt, max_tokens=8)])[0]
+    assert failed.finish_reason == "error" and "device call failed" in failed.error
+    engine.runner.round = real_round
+    assert engine.run([Request(prompt, max_tokens=8)])[0].token_ids == expected
+
+
+def test_a_finished_sampled_request_leaves_its_lane_greedy(target):
+    """Idle lanes must not keep a top-k: `sample` sorts every row of the round while any lane filters."""
+    engine = Engine(target, LANES, eos_ids=())
+    engine.run([Request(_repetitive_prompt(80 + i), max_tokens=4, seed=i, **SAMPLED) for i in range(LANES.capacity)])
+    params = engine.runner.state.sampling
+    assert not np.asarray(params.temperature).any() and not np.asarray(params.top_k).any()
+    assert np.all(np.asarray(params.top_p) == 1.0)

@@ -62,8 +62,10 @@ class LLM:
             self.engine.runner.set_facts(RoundFacts(copy_match=(copy_match or facts.copy_match) if copies else 0,
                                                     draft_block=facts.draft_block))
 
-    def encode(self, prompt: str | list[dict], chat: bool | None = None) -> list[int]:
-        """Token ids of a prompt string, or of chat messages rendered with the checkpoint's template."""
+    def encode(self, prompt: str | list[dict] | list[int], chat: bool | None = None) -> list[int]:
+        """Token ids of a prompt string, of chat messages rendered with the checkpoint's template, or ids as given."""
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
         if isinstance(prompt, list):
             return self.tokenizer.encode(self.tokenizer.apply_chat_template(prompt), add_special_tokens=False)
         return self.tokenizer.encode(prompt, add_special_tokens=False)
@@ -75,13 +77,13 @@ class LLM:
         stop_check = None
         if stop:
             def stop_check(out: list[int], stops=tuple(stop)) -> int | None:
-                text = self.tokenizer.decode(out)
+                text = self.tokenizer.decode(out, skip_special_tokens=True)
                 hits = [text.find(s) for s in stops if s in text]
                 if not hits:
                     return None
                 cut = min(hits)
                 n = len(out)
-                while n > 0 and len(self.tokenizer.decode(out[:n])) > cut:
+                while n > 0 and len(self.tokenizer.decode(out[:n], skip_special_tokens=True)) > cut:
                     n -= 1
                 return n
         return Request(ids, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,

@@ -1,17 +1,23 @@
 """The engine: `step()` admits waiting requests, runs one lane round, and hands tokens to requests.
 
 Every generated token after the first comes out of `lane_round`; the first is the prompt's own sample.
+A request that fails (its prefill, its callbacks, its stop check) ends alone with finish_reason "error";
+lanes are independent rows of the round, so the others' tokens are untouched. A failing round fails
+every live request and rebuilds the lane state, since its donated buffers may be gone.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 
 from tfjax import sampling
 from tfjax.engine.runner import Runner
 from tfjax.engine.scheduler import LaneSlot, Request, Scheduler
 from tfjax.lanes.config import LaneConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -24,6 +30,7 @@ class Result:
     finish_reason: str
     rounds: int
     proposed: int
+    error: str | None = None
 
     @property
     def token_sha256(self) -> str:
@@ -52,7 +59,12 @@ class Engine:
         return request.id
 
     def cancel(self, request_id: int) -> None:
+        """End a waiting or running request with finish_reason "cancelled" (a running one frees its lane now)."""
         with self.lock:
+            req = self.scheduler.drop_waiting(request_id)
+            if req is not None:
+                self._complete(req, Result(req.id, len(req.prompt), [], "cancelled", 0, 0))
+                return
             lane = self.scheduler.cancel(request_id)
             if lane is not None:
                 self._finish(lane)
@@ -70,32 +82,83 @@ class Engine:
         if tokens and slot.request.on_tokens is not None:
             slot.request.on_tokens(tokens)
 
-    def _finish(self, lane: int) -> None:
+    def _complete(self, req: Request, result: Result) -> None:
+        """Hand a Result to its request's `on_finish`, or keep it in `results` for `run`."""
+        if req.on_finish is None:
+            self.results[req.id] = result
+            return
+        try:
+            req.on_finish(result)
+        except Exception:
+            log.exception("on_finish of request %d failed", req.id)
+
+    def _finish(self, lane: int, release: bool = True) -> None:
         slot = self.scheduler.finish(lane)
-        self.runner.release(lane)
-        self.results[slot.request.id] = Result(slot.request.id, len(slot.request.prompt), slot.output,
-                                               slot.finish_reason or "stop", slot.rounds, slot.proposed)
+        if release:
+            self.runner.release(lane)
+        self._complete(slot.request, Result(slot.request.id, len(slot.request.prompt), slot.output,
+                                            slot.finish_reason or "stop", slot.rounds, slot.proposed, slot.error))
+
+    def _fail(self, lane: int, error: Exception) -> None:
+        """End one lane's request with finish_reason "error"; the other lanes go on."""
+        log.error("request in lane %d failed: %r", lane, error)
+        slot = self.scheduler.running[lane]
+        slot.finish_reason, slot.error = "error", f"{type(error).__name__}: {error}"
+        try:
+            self.runner.release(lane)
+        except Exception:  # the device state itself is gone (donated into a failed call)
+            self._reset(error)
+            return
+        self._finish(lane, release=False)
+
+    def _reset(self, error: Exception) -> None:
+        """Rebuild the lane state after a failed device call; every live request ends with an error."""
+        log.error("lane state rebuilt after %r", error)
+        self.runner.reset()
+        for lane in list(self.scheduler.running):
+            slot = self.scheduler.running[lane]
+            slot.finish_reason, slot.error = "error", f"{type(error).__name__}: {error}"
+            self._finish(lane, release=False)
+
+    def _admit(self, req: Request, lane: int, pages: list[int]) -> None:
+        first = self.runner.prefill(lane, req.prompt, self._sampling(req), req.draft, pages)
+        slot = self.scheduler.running[lane]
+        kept = self.scheduler.take(lane, [first], self.eos_ids)
+        slot.rounds -= 1  # the prompt's token is not a round
+        self._deliver(slot, kept)
 
     def step(self) -> None:
         """Admit what fits, then one round for all live lanes."""
         with self.lock:
             for req, lane, pages in self.scheduler.admissible():
-                first = self.runner.prefill(lane, req.prompt, self._sampling(req), req.draft, pages)
-                slot = self.scheduler.running[lane]
-                kept = self.scheduler.take(lane, [first], self.eos_ids)
-                slot.rounds -= 1  # the prompt's token is not a round
-                self._deliver(slot, kept)
-                if slot.finish_reason:
+                slot = self.scheduler.running.get(lane)
+                if slot is None or slot.request is not req:  # ended by a reset after an earlier failure
+                    continue
+                try:
+                    self._admit(req, lane, pages)
+                except Exception as e:
+                    self._fail(lane, e)
+                    continue
+                if self.scheduler.running[lane].finish_reason:
                     self._finish(lane)
             if not self.scheduler.running:
                 return
-            tokens, count, proposed = self.runner.round()
+            try:
+                tokens, count, proposed = self.runner.round()
+            except Exception as e:
+                self._reset(e)
+                return
             self.rounds += 1
             for lane in list(self.scheduler.running):
                 slot = self.scheduler.running[lane]
                 n = int(count[lane])
-                kept = self.scheduler.take(lane, [int(t) for t in tokens[lane, :n]], self.eos_ids, int(proposed[lane]))
-                self._deliver(slot, kept)
+                try:
+                    kept = self.scheduler.take(lane, [int(t) for t in tokens[lane, :n]], self.eos_ids,
+                                               int(proposed[lane]))
+                    self._deliver(slot, kept)
+                except Exception as e:
+                    self._fail(lane, e)
+                    continue
                 if slot.finish_reason:
                     self._finish(lane)
 

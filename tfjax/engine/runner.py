@@ -26,11 +26,18 @@ class Runner:
         self.target_def, self.target_params = models.split(target)
         self.drafter_def, self.drafter_params = (None, None) if drafter is None else models.split(drafter)
         self.chunk = prefill_chunk
-        pages = lanes.capacity * lanes.pages_per_lane
-        self.pages = pages
-        cache = target.init_cache(lanes.capacity, lanes.context, lanes.page_size, pages)
+        self.pages = lanes.capacity * lanes.pages_per_lane
+        self._models = (target, drafter)
+        self.reset()
+        target_facts = target_facts or ModelFacts(root_copies=True, enter_match=lanes.enter_match)
+        self.spec = lane_round_mod.RoundSpec(lanes, round_facts(target_facts, drafter_facts))
+
+    def reset(self) -> None:
+        """Fresh lane state: every lane idle, caches empty (also the way back from a failed device call)."""
+        lanes, (target, drafter) = self.lanes, self._models
+        cache = target.init_cache(lanes.capacity, lanes.context, lanes.page_size, self.pages)
         draft_cache = None if drafter is None else drafter.init_cache(lanes.capacity, lanes.context,
-                                                                       lanes.page_size, pages)
+                                                                       lanes.page_size, self.pages)
         n = lanes.capacity
         self.state = lane_round_mod.LaneState(
             history=jnp.zeros((n, lanes.context), jnp.int32), length=jnp.ones((n,), jnp.int32),
@@ -38,8 +45,6 @@ class Runner:
             sampling=sampling.SamplingParams.create(n), cache=cache, draft_cache=draft_cache,
             draft_len=jnp.zeros((n,), jnp.int32),
             block=blocks.empty_blocks(n, drafter.config.block_size) if self.block_drafter else None)
-        target_facts = target_facts or ModelFacts(root_copies=True, enter_match=lanes.enter_match)
-        self.spec = lane_round_mod.RoundSpec(lanes, round_facts(target_facts, drafter_facts))
 
     def set_facts(self, facts: RoundFacts) -> None:
         """Swap the static facts (a new compile key for the round)."""

@@ -7,6 +7,7 @@ import collections
 import dataclasses
 import itertools
 from collections.abc import Callable
+from typing import Any
 
 
 class ContextLengthExceeded(ValueError):
@@ -31,6 +32,7 @@ class Request:
     ignore_eos: bool = False
     stop_check: Callable[[list[int]], int | None] | None = None  # index to cut at, or None
     on_tokens: Callable[[list[int]], None] | None = None
+    on_finish: Callable[[Any], None] | None = None  # gets the Result (then it is not kept in engine.results)
     id: int = dataclasses.field(default_factory=itertools.count().__next__)
 
 
@@ -45,6 +47,7 @@ class LaneSlot:
     rounds: int = 0
     proposed: int = 0
     finish_reason: str | None = None
+    error: str | None = None
 
 
 class Scheduler:
@@ -118,12 +121,16 @@ class Scheduler:
         self.free_pages.extend(slot.pages)
         return slot
 
-    def cancel(self, request_id: int) -> int | None:
-        """Drop a waiting request, or return the lane of a running one (the engine frees it)."""
-        for r in list(self.waiting):
+    def drop_waiting(self, request_id: int) -> Request | None:
+        """Remove and return a request that has not got a lane yet."""
+        for r in self.waiting:
             if r.id == request_id:
                 self.waiting.remove(r)
-                return None
+                return r
+        return None
+
+    def cancel(self, request_id: int) -> int | None:
+        """The lane of a running request, marked cancelled (the engine frees it), or None."""
         for lane, slot in self.running.items():
             if slot.request.id == request_id:
                 slot.finish_reason = "cancelled"

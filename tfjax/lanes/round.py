@@ -234,5 +234,8 @@ def admit(state: LaneState, lane: jax.Array, history_row: jax.Array, length: jax
 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def release(state: LaneState, lane: jax.Array) -> LaneState:
-    """Mark a lane idle (its pages go back to the pool on the host)."""
-    return dataclasses.replace(state, active=state.active.at[lane].set(False))
+    """Mark a lane idle (its pages go back to the pool on the host) and greedy, so an idle lane's old
+    temperature or top-k never sends the live lanes' rounds down the sampled or sorting path."""
+    idle = sampling.SamplingParams.create(1)
+    samp = jax.tree.map(lambda a, v: a.at[lane].set(v.reshape(())), state.sampling, idle)
+    return dataclasses.replace(state, active=state.active.at[lane].set(False), sampling=samp)

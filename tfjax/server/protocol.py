@@ -1,0 +1,260 @@
+"""The OpenAI wire format: request validation (`parse_completion`), error bodies, and reply shapes.
+
+Everything here is plain Python over dicts, no engine and no HTTP: a request is checked field by field
+before anything is submitted, and every refusal is an `ApiError` with an HTTP status and an OpenAI-style
+`{"error": {"message", "type", "param", "code"}}` body.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from typing import Any
+
+# Fields we accept and ignore: they ask nothing of generation.
+IGNORED = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
+# Fields we accept only at their "off" value, since we cannot honour anything else.
+OFF_VALUES: dict[str, tuple] = {
+    "n": (None, 1),
+    "best_of": (None, 1),
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "functions": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "function_call": (None, "none", "auto"),
+    "parallel_tool_calls": (None, True, False),
+    "response_format": (None, {"type": "text"}),
+}
+SAMPLING = ("max_tokens", "max_completion_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "draft",
+            "ignore_eos", "stream", "stream_options", "model")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class ApiError(Exception):
+    """A refused request: HTTP status, OpenAI error type and code, the offending parameter."""
+
+    def __init__(self, status: int, message: str, code: str, param: str | None = None,
+                 type: str = "invalid_request_error", headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param, self.type = status, message, code, param, type
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.code, self.param)
+
+
+def error_body(message: str, type: str, code: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Params:
+    """A validated completion request: the prompt (text, ids or chat messages) and how to sample it."""
+
+    chat: bool
+    prompt: str | list[int] | list[dict]
+    max_tokens: int | None = None  # None: the server's default, within the context
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    draft: bool = True
+    ignore_eos: bool = False
+    stream: bool = False
+    model: str | None = None
+
+
+def load_json(raw: bytes) -> dict:
+    """The request body as a JSON object, or 400 invalid_json."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}", "invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, not {type(body).__name__}", "invalid_json")
+    return body
+
+
+def _type_error(name: str, want: str, value: Any) -> ApiError:
+    return ApiError(400, f"'{name}' must be {want}, got {json.dumps(value)}", "invalid_type", name)
+
+
+def _number(body: dict, name: str, default, *, integer: bool = False, lo=None, hi=None, lo_open: bool = False):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int if integer else int | float):
+        raise _type_error(name, "an integer" if integer else "a number", value)
+    if not integer and not math.isfinite(value):
+        raise ApiError(400, f"'{name}' must be finite, got {value}", "invalid_value", name)
+    if (lo is not None and (value <= lo if lo_open else value < lo)) or (hi is not None and value > hi):
+        span = f"{'(' if lo_open else '['}{lo}, {hi if hi is not None else 'inf'}]"
+        raise ApiError(400, f"'{name}' must be in {span}, got {value}", "invalid_value", name)
+    return value
+
+
+def _bool(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _type_error(name, "a boolean", value)
+    return value
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise _type_error("stop", "a string or a list of strings", value)
+    if len(stops) > 16 or any(not s for s in stops):
+        raise ApiError(400, "'stop' takes at most 16 non-empty strings", "invalid_value", "stop")
+    return tuple(stops)
+
+
+def _content(message: dict, i: int) -> str:
+    """A message's text: a string, or a list of text parts joined."""
+    content = message.get("content")
+    if content is None and message.get("role") == "assistant":
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise _type_error(f"messages[{i}].content", "a string or a list of text parts", content)
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if messages is None:
+        raise ApiError(400, "'messages' is required", "missing_required_parameter", "messages")
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise _type_error("messages", "a non-empty list of message objects", messages)
+    out = []
+    for i, m in enumerate(messages):
+        if m.get("role") not in ROLES:
+            raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got {json.dumps(m.get('role'))}",
+                           "invalid_value", f"messages[{i}].role")
+        if m.get("tool_calls"):
+            raise ApiError(400, "tool calls are not supported", "unsupported_parameter", f"messages[{i}].tool_calls")
+        out.append({"role": m["role"], "content": _content(m, i)})
+    return out
+
+
+def _prompt(body: dict) -> str | list[int]:
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise ApiError(400, "'prompt' is required", "missing_required_parameter", "prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
+        raise ApiError(400, "a batch of prompts is not supported; send one request per prompt",
+                       "unsupported_parameter", "prompt")
+    raise _type_error("prompt", "a string or a list of token ids", prompt)
+
+
+def parse_completion(body: dict, chat: bool, default_temperature: float = 1.0) -> Params:
+    """Validate a /v1/chat/completions (chat) or /v1/completions body; every refusal is a 400 ApiError."""
+    prompt_field = "messages" if chat else "prompt"
+    for name in body:
+        if name in IGNORED or name in SAMPLING or name == prompt_field:
+            continue
+        if name in OFF_VALUES:
+            if body[name] not in OFF_VALUES[name]:
+                raise ApiError(400, f"'{name}' = {json.dumps(body[name])} is not supported by this server",
+                               "unsupported_parameter", name)
+            continue
+        raise ApiError(400, f"unrecognized request argument: '{name}'", "unknown_parameter", name)
+    prompt = _messages(body) if chat else _prompt(body)
+    if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
+        raise ApiError(400, "give 'max_tokens' or 'max_completion_tokens', not both", "invalid_value", "max_tokens")
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _number(body, name, None, integer=True, lo=1)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _type_error("model", "a string", model)
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
+        raise _type_error("stream_options", 'an object like {"include_usage": true}', options)
+    return Params(
+        chat=chat,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=float(_number(body, "temperature", default_temperature, lo=0.0)),
+        top_k=_number(body, "top_k", 0, integer=True, lo=0),
+        top_p=float(_number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True)),
+        min_p=float(_number(body, "min_p", 0.0, lo=0.0, hi=1.0)),
+        seed=_number(body, "seed", None, integer=True, lo=0, hi=2**32 - 1),
+        stop=_stop(body),
+        draft=_bool(body, "draft", True),
+        ignore_eos=_bool(body, "ignore_eos", False),
+        stream=_bool(body, "stream", False),
+        model=model,
+    )
+
+
+def completion_id(chat: bool, request_id: int) -> str:
+    return f"{'chatcmpl' if chat else 'cmpl'}-tfjax-{request_id}"
+
+
+def chunk(params: Params, rid: str, model: str, created: int, *, text: str | None = None, role: bool = False,
+          finish_reason: str | None = None) -> dict:
+    """One streamed event: a role opener, a text delta, or the finish."""
+    if params.chat:
+        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
+    choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+
+
+def usage(result) -> dict:
+    """Token counts plus what tfjax adds to every reply: the token hash and tokens per round."""
+    n = len(result.token_ids)
+    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": n, "total_tokens": result.prompt_tokens + n}
+
+
+def extras(result, draft: bool) -> dict:
+    return {"token_sha256": result.token_sha256, "tokens_per_round": round(result.tokens_per_round, 4),
+            "rounds": result.rounds, "draft": draft}
+
+
+def usage_chunk(params: Params, rid: str, model: str, created: int, result, draft: bool) -> dict:
+    """The stream's last event: no choices, the usage, the hash and tokens per round."""
+    obj = "chat.completion.chunk" if params.chat else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage(result),
+            **extras(result, draft)}
+
+
+def reply(params: Params, rid: str, model: str, created: int, text: str, result, draft: bool) -> dict:
+    """A whole (non-streamed) reply."""
+    if params.chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": result.finish_reason}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": result.finish_reason}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
+            "usage": usage(result), **extras(result, draft)}
+
+
+def now() -> int:
+    return int(time.time())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,6 +42,11 @@ def main(argv: list[str] | None = None) -> None:
     from tfjax.server import create_app
 
     drafter = None if args.drafter == "none" else args.drafter
+    if drafter == "dflash2":  # the distilled drafter scripts/train_drafter.py writes for this model
+        drafter = Path("runs") / f"{Path(str(args.model)).name}-dflash2" / "drafter"
+        if not drafter.is_dir():
+            raise SystemExit(f"--drafter dflash2: no drafter at {drafter}; distil one with scripts/train_drafter.py "
+                             f"--model {args.model} --out {drafter.parent}, or pass its folder")
     llm = api.load(args.model, drafter=drafter, lanes=args.parallel, width=args.width, context=args.context,
                    copy_match=args.copy_match, dtype=args.dtype)
     llm.drafter_name = drafter

@@ -154,6 +154,24 @@ def _check_shapes(x, weight, scales, biases, bits, group_size, bs: BlockSizes):
         raise ValueError(f"K={k} must be a multiple of block_k*split_k={bs.block_k}*{bs.split_k}")
 
 
+def _split_output(m: int, n: int, dtype, bs) -> tuple:
+    """(out_shape, out_spec): [M, N] in `dtype`, or one f32 partial per K split [split, M, N]."""
+    if bs.split_k == 1:
+        return jax.ShapeDtypeStruct((m, n), dtype), pl.BlockSpec((bs.block_m, bs.block_n), lambda i, j, s: (i, j))
+    return (jax.ShapeDtypeStruct((bs.split_k, m, n), jnp.float32),
+            pl.BlockSpec((None, bs.block_m, bs.block_n), lambda i, j, s: (s, i, j)))
+
+
+def _sum_splits(out: jax.Array, split: int, dtype) -> jax.Array:
+    """The K splits' partials summed in a fixed order (elementwise: identical for every row and every M)."""
+    if split == 1:
+        return out
+    acc = out[0]
+    for s in range(1, split):
+        acc = acc + out[s]
+    return acc.astype(dtype)
+
+
 def _qmatmul_call(x, weight, scales, biases, *, bits, group_size, bs: BlockSizes, interpret):
     m, k = x.shape
     n, kw = weight.shape
@@ -171,12 +189,7 @@ def _qmatmul_call(x, weight, scales, biases, *, bits, group_size, bs: BlockSizes
     )
     if bs.unpack == "shift":
         x = _permute_x(x, bs.block_k, 32 // bits)
-    if split == 1:
-        out_shape = jax.ShapeDtypeStruct((m, n), x.dtype)
-        out_spec = pl.BlockSpec((bs.block_m, bs.block_n), lambda i, j, s: (i, j))
-    else:
-        out_shape = jax.ShapeDtypeStruct((split, m, n), jnp.float32)
-        out_spec = pl.BlockSpec((None, bs.block_m, bs.block_n), lambda i, j, s: (s, i, j))
+    out_shape, out_spec = _split_output(m, n, x.dtype, bs)
     out = pl.pallas_call(
         kernel,
         grid=grid,
@@ -192,12 +205,7 @@ def _qmatmul_call(x, weight, scales, biases, *, bits, group_size, bs: BlockSizes
         interpret=interpret,
         name="qmatmul",
     )(x, weight, scales, biases)
-    if split == 1:
-        return out
-    acc = out[0]
-    for s in range(1, split):  # fixed order, elementwise: identical for every row and every M
-        acc = acc + out[s]
-    return acc.astype(x.dtype)
+    return _sum_splits(out, split, x.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_sizes", "interpret"))
@@ -348,12 +356,7 @@ def qmatmul_tiled(
     tiles_per_split = k // quant.kernel_tile(bits, group_size) // split
     kernel = functools.partial(_tiled_kernel, m=m, bits=bits, group_size=group_size,
                                tiles_per_split=tiles_per_split, swap=bs.swap, fold=bs.fold)
-    if split == 1:
-        out_shape = jax.ShapeDtypeStruct((m, n), x.dtype)
-        out_spec = pl.BlockSpec((bs.block_m, bs.block_n), lambda i, j, s: (i, j))
-    else:
-        out_shape = jax.ShapeDtypeStruct((split, m, n), jnp.float32)
-        out_spec = pl.BlockSpec((None, bs.block_m, bs.block_n), lambda i, j, s: (s, i, j))
+    out_shape, out_spec = _split_output(m, n, x.dtype, bs)
     ng = k // group_size
     out = pl.pallas_call(
         kernel,
@@ -370,12 +373,7 @@ def qmatmul_tiled(
         interpret=interpret,
         name="qmatmul_tiled",
     )(x2, weight, scales, biases)
-    if split > 1:
-        acc = out[0]
-        for s in range(1, split):  # fixed order, elementwise: identical for every row and every M
-            acc = acc + out[s]
-        out = acc.astype(x.dtype)
-    return out.reshape(*x.shape[:-1], n)
+    return _sum_splits(out, split, x.dtype).reshape(*x.shape[:-1], n)
 
 
 def reference_tiled(x, weight, scales, biases, *, bits: int = 4, group_size: int = 64) -> jax.Array:

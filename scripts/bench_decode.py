@@ -21,24 +21,6 @@ from tfjax.models.layers import ROWS
 from tfjax.models.qwen3_5 import DeltaState
 
 
-@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
-def random_leaf(key, shape, dtype):
-    """One random leaf on the device: packed words for uint32, small normals otherwise (never zeros)."""
-    if jnp.dtype(dtype) == jnp.uint32:
-        return jax.random.bits(key, shape, jnp.uint32)
-    return (jax.random.normal(key, shape) * 0.02).astype(dtype)
-
-
-def random_params(config, seed=0):
-    """Random parameters for `config`, made on the device leaf by leaf; one compile per distinct shape."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: models.build(config)))
-    leaves, treedef = jax.tree.flatten(state)
-    key = jax.random.key(seed)
-    out = [random_leaf(jax.random.fold_in(key, i), tuple(leaf.shape), jnp.dtype(leaf.dtype).name)
-           for i, leaf in enumerate(leaves)]
-    return graphdef, jax.tree.unflatten(treedef, out)
-
-
 def copy_bandwidth(gb=4.0):
     """Device copy bandwidth in bytes/s (read + write)."""
     x = jax.random.normal(jax.random.key(1), (int(gb * 2**30) // 4,), jnp.float32)
@@ -68,7 +50,7 @@ def main():
     if args.bits:
         config = config.replace(quantization=QuantConfig(args.bits, 64))
     t0 = time.perf_counter()
-    graphdef, params = random_params(config)
+    graphdef, params = models.random_params(config)
     jax.block_until_ready(params)
     print(f"random weights in {time.perf_counter() - t0:.0f} s", flush=True)
     model = nnx.merge(graphdef, params)

@@ -312,29 +312,6 @@ def prompt_section():
 
 
 # --- dense27 decode ---
-def random_params(config, seed=0):
-    """Random parameters for `config` made on the device (never zeros), one compile per leaf shape."""
-    import functools
-
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from tfjax import models
-
-    @functools.partial(jax.jit, static_argnums=(1, 2))
-    def make(key, shape, dtype):
-        if dtype == jnp.uint32:
-            return jax.random.bits(key, shape, jnp.uint32)
-        return (jax.random.normal(key, shape) * 0.02).astype(dtype)
-
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: models.build(config)))
-    leaves, treedef = jax.tree.flatten(state)
-    key = jax.random.key(seed)
-    out = [make(jax.random.fold_in(key, i), tuple(l.shape), jnp.dtype(l.dtype)) for i, l in enumerate(leaves)]
-    return graphdef, jax.tree.unflatten(treedef, out)
-
-
 def decode_section(steps=20, context=2048, layers=0):
     import functools
 
@@ -352,7 +329,7 @@ def decode_section(steps=20, context=2048, layers=0):
     config = geometry.named("dense27").replace(quantization=QuantConfig(4, 64))
     if layers:
         config = config.replace(num_hidden_layers=layers, layer_types=config.layer_types[:layers])
-    graphdef, params = random_params(config)
+    graphdef, params = models.random_params(config)
     c = config
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     weight_bytes -= sum(x.nbytes for x in jax.tree.leaves(params["model"]["embed_tokens"]["table"]))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from tfjax.config import ModelConfig
@@ -20,6 +21,27 @@ def build(config: ModelConfig, *, seed: int = 0) -> nnx.Module:
     from tfjax.models.llama import LlamaForCausalLM
 
     return LlamaForCausalLM(config, rngs=rngs)
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
+def _random_leaf(key: jax.Array, shape: tuple[int, ...], dtype: str) -> jax.Array:
+    """One random leaf: packed words for uint32, small normals otherwise (never zeros)."""
+    if jnp.dtype(dtype) == jnp.uint32:
+        return jax.random.bits(key, shape, jnp.uint32)
+    return (jax.random.normal(key, shape) * 0.02).astype(dtype)
+
+
+def random_params(config: ModelConfig, *, seed: int = 0):
+    """(graphdef, params) with random weights made on the device leaf by leaf, one compile per leaf shape.
+
+    For timing full-size geometries: nothing is built on the host, unlike `build`.
+    """
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: build(config)))
+    leaves, treedef = jax.tree.flatten(state)
+    key = jax.random.key(seed)
+    out = [_random_leaf(jax.random.fold_in(key, i), tuple(leaf.shape), jnp.dtype(leaf.dtype).name)
+           for i, leaf in enumerate(leaves)]
+    return graphdef, jax.tree.unflatten(treedef, out)
 
 
 def split(model: nnx.Module):

@@ -8,18 +8,10 @@ import numpy as np
 import pytest
 
 from tests.test_dflash2 import drafter_config
-from tests.test_lanes import SAMPLED, _repetitive_prompt
+from tests.test_lanes import LANES, SAMPLED, _repetitive_prompt
 from tfjax import geometry, models
 from tfjax.drafters import dflash2
 from tfjax.engine import Engine, Request
-from tfjax.lanes.config import LaneConfig
-
-LANES = LaneConfig(capacity=4, width=5, context=192, page_size=16)
-
-
-@pytest.fixture(scope="module")
-def target():
-    return models.build(geometry.tiny_dense, seed=11)
 
 
 @pytest.fixture(scope="module")

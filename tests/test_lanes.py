@@ -14,11 +14,6 @@ LANES = LaneConfig(capacity=4, width=5, context=192, page_size=16)
 
 
 @pytest.fixture(scope="module")
-def target():
-    return models.build(geometry.tiny_dense, seed=11)
-
-
-@pytest.fixture(scope="module")
 def drafter():
     return models.build(geometry.tiny_dense.replace(num_hidden_layers=2, layer_types=("linear_attention",
                                                                                       "full_attention")), seed=12)

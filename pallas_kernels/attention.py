@@ -90,6 +90,14 @@ def _tree_sum(x: jax.Array, axis: int) -> jax.Array:
     return lax.index_in_dim(x, 0, axis, keepdims=False)
 
 
+HEAD_DIMS = (64, 128, 256)
+
+
+def supports(head_dim: int) -> bool:
+    """Whether the kernel serves this head dim (callers fall back to the reference otherwise)."""
+    return head_dim in HEAD_DIMS
+
+
 def _check(q, k_pages, v_pages, page_table, positions, bs: BlockSizes):
     if q.ndim != 4 or k_pages.ndim != 4:
         raise ValueError(f"want q [B, T, H, E] and pages [P, page, G, E], got {q.shape=} {k_pages.shape=}")
@@ -97,7 +105,7 @@ def _check(q, k_pages, v_pages, page_table, positions, bs: BlockSizes):
     _, page, g, ek = k_pages.shape
     if v_pages.shape != k_pages.shape:
         raise ValueError(f"{v_pages.shape=} must equal {k_pages.shape=}")
-    if ek != e or e not in (64, 128, 256):
+    if ek != e or not supports(e):
         raise ValueError(f"head dim {e=} (pages {ek}) must match and be one of 64, 128, 256")
     if h % g:
         raise ValueError(f"query heads {h=} must be a multiple of KV heads {g=}")

@@ -2,6 +2,11 @@
 
   PYTHONPATH=. python3 scripts/bench_generate.py --model smollm2 --tokens 96
   PYTHONPATH=. python3 scripts/bench_generate.py --model smollm2 --drafter runs/smollm2-dflash2/drafter
+  PYTHONPATH=. python3 scripts/bench_generate.py --model FOLDER --random-weights 4   # plain speed only
+
+`--random-weights BITS` times the folder's geometry (config.json, tokenizer) with random MLX weights
+(0 = the config's dtype), for a model too large to ship: plain rows only, since what copies and drafts
+accept depends on real weights.
 
 Every row's `token_sha256` is compared with the plain row of its cell (`draft: false`).
 """
@@ -11,7 +16,10 @@ from __future__ import annotations
 import argparse
 import time
 
-from tfjax import api
+from flax import nnx
+
+from tfjax import api, models
+from tfjax.config import ModelConfig, QuantConfig
 
 CODE = ("Original:\ndef add_all(values):\n    total = 0\n    for v in values:\n        total = total + v\n"
         "    return total\n\nThe same function with `total` renamed to `acc`:\ndef add_all(values):\n    acc = 0\n")
@@ -27,6 +35,15 @@ def timed(llm, prompt, tokens: int, draft: bool, params: dict):
     return len(out.token_ids) / (time.perf_counter() - t), out
 
 
+def random_model(path: str, bits: int):
+    """(module, config) of the folder's geometry with random weights, MLX `bits`-bit (group 64) unless 0."""
+    config = ModelConfig.from_json(api.resolve(path))
+    if bits:
+        config = config.replace(quantization=QuantConfig(bits=bits, group_size=64))
+    graphdef, params = models.random_params(config)
+    return nnx.merge(graphdef, params), config
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2")
@@ -35,18 +52,28 @@ def main():
     ap.add_argument("--copy-match", type=int, default=5)
     ap.add_argument("--width", type=int, default=8)
     ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--random-weights", type=int, default=None, metavar="BITS",
+                    help="random MLX BITS-bit weights of the folder's geometry (0: unquantized); plain rows only")
     args = ap.parse_args()
     kw = dict(lanes=1, width=args.width, context=args.context)
+    if args.random_weights is not None:
+        kw["model"] = random_model(args.model, args.random_weights)
     engines = {"copies": api.load(args.model, copy_match=args.copy_match, **kw)}
     if args.drafter:
         engines["dflash2"] = api.load(args.model, drafter=args.drafter, copies=False, **kw)
         engines["dflash2+copies"] = api.load(args.model, drafter=args.drafter, copy_match=args.copy_match, **kw)
+    import jax
+
+    print(f"{args.model} on {jax.devices()[0].device_kind}, jax {jax.__version__}"
+          + (f", random {args.random_weights}-bit weights" if args.random_weights is not None else ""))
     print("| cell | mode | tok/s | tok/round | x plain | hash == plain |")
     print("|---|---|---|---|---|---|")
     for name, prompt in (("code edit", CODE), ("code new", CODE_NEW), ("chat", CHAT)):
         for sampling, params in (("greedy", {}), ("sampled", SAMPLED)):
             base_s, base = timed(engines["copies"], prompt, args.tokens, False, params)
             print(f"| {name}, {sampling} | plain | {base_s:.1f} | {base.tokens_per_round:.2f} | 1.00 | - |")
+            if args.random_weights is not None:
+                continue
             for mode, llm in engines.items():
                 s, out = timed(llm, prompt, args.tokens, True, params)
                 same = "1/1" if out.token_sha256 == base.token_sha256 else "0/1"

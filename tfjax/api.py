@@ -5,10 +5,11 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from tfjax import checkpoint
+from tfjax import checkpoint, ops
 from tfjax.engine import Engine, Request, Result
 from tfjax.lanes.config import LaneConfig
 from tfjax.lanes.drafter import RoundFacts
+from tfjax.models.layers import use_kernel_layout
 from tfjax.tokenizer import Tokenizer
 
 
@@ -41,9 +42,13 @@ class LLM:
     """A loaded target (and optional drafter) behind an engine with `lanes` lanes."""
 
     def __init__(self, path: Path, *, drafter: str | Path | None = None, lanes: int = 4, width: int = 8,
-                 context: int = 2048, copy_match: int = 0, copies: bool = True, dtype: str | None = None):
+                 context: int = 2048, copy_match: int = 0, copies: bool = True, dtype: str | None = None,
+                 model=None):
         self.path = path
-        self.model, self.config = checkpoint.load(path, dtype=dtype, progress=True)
+        # `model`: an already built (module, config) for this folder's tokenizer, e.g. random weights for timing
+        self.model, self.config = model if model is not None else checkpoint.load(path, dtype=dtype, progress=True)
+        if ops.use_kernels():  # GPU: quantized linears in the kernel layout, repacked once here
+            use_kernel_layout(self.model)
         self.tokenizer = Tokenizer.from_dir(path)
         draft_model = None
         if drafter is not None:
@@ -54,6 +59,8 @@ class LLM:
                 draft_model = dflash2_checkpoint.load(draft_path, dtype=dtype, target=self.config)
             else:
                 draft_model, _ = checkpoint.load(draft_path, dtype=dtype, progress=True)
+            if ops.use_kernels():
+                use_kernel_layout(draft_model)
         self.lanes = LaneConfig(capacity=lanes, width=width, context=context)
         eos = tuple(self.tokenizer.eos_ids) or self.config.eos_token_id
         self.engine = Engine(self.model, self.lanes, drafter=draft_model, eos_ids=eos)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 ROW_TILE = 8
+GPU_ROW_TILE = 64  # rows per tile on GPU, where a tile is one loop iteration of its own (see `fenced_map`)
 KERNEL_MAX_ROWS = 64
 
 _FORCE = os.environ.get("TFJAX_KERNELS", "auto")  # auto | kernel | reference
@@ -55,9 +56,12 @@ def fenced_map(fn, xs):
     XLA inlines a loop it knows runs once and then fuses its body with the neighbours, which changes the
     arithmetic of reductions; a row computed alone would then differ from the same row among others.
     """
-    if use_kernels():  # GPU: a known trip count keeps the loop free of host syncs; kernels own invariance there
-        return jax.lax.map(fn, xs)
     n = jax.tree.leaves(xs)[0].shape[0]
+    if use_kernels():  # GPU: a known trip count (no host syncs), never 1, so XLA keeps the body a loop of its own
+        if n >= 2:
+            return jax.lax.map(fn, xs)
+        twice = jax.tree.map(lambda a: jnp.concatenate([a, a]), xs)
+        return jax.tree.map(lambda a: a[:n], jax.lax.map(fn, twice))
     first = jax.eval_shape(fn, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), xs))
     out = jax.tree.map(lambda s: jnp.zeros((n, *s.shape), s.dtype), first)
     trips = opaque_count(n)
@@ -69,8 +73,9 @@ def fenced_map(fn, xs):
     return jax.lax.fori_loop(0, trips, body, out)
 
 
-def row_tiled(fn, x: jax.Array, tile: int = ROW_TILE) -> jax.Array:
+def row_tiled(fn, x: jax.Array, tile: int | None = None) -> jax.Array:
     """Apply fn (rows [tile, in] -> [tile, out]) over fixed row tiles, so each row's arithmetic is fixed."""
+    tile = tile or (GPU_ROW_TILE if use_kernels() else ROW_TILE)
     lead, d = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, d)
     m = rows.shape[0]
@@ -83,8 +88,8 @@ def row_tiled(fn, x: jax.Array, tile: int = ROW_TILE) -> jax.Array:
 
 
 def rowwise(fn, x: jax.Array, rows: bool) -> jax.Array:
-    """fn over the last axis; with `rows` on the reference path, in fixed row tiles (reductions never see M)."""
-    if rows and not use_kernels():
+    """fn over the last axis; with `rows`, in fixed row tiles (reductions never see M)."""
+    if rows:
         return row_tiled(fn, x)
     return fn(x)
 

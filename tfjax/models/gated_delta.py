@@ -41,6 +41,10 @@ def _lane_recurrent(state, q, k, v, g, beta, count):
     from tfjax import ops
 
     t = q.shape[0]
+    if ops.use_kernels() and t == 1:  # GPU: never a one-trip loop (XLA would inline and fuse it; see fenced_map)
+        state, out = _lane_recurrent(state, *(jnp.concatenate([a, a]) for a in (q, k, v, g, beta)),
+                                     jnp.minimum(count, 1))
+        return state, out[:1]
 
     def body(i, carry):
         s, out = carry

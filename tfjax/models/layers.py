@@ -205,7 +205,7 @@ def paged_attention(q: jax.Array, pages: KVPages, page_table: jax.Array, positio
             from pallas_kernels import attention as pk
         except ImportError:
             pk = None
-        if pk is not None and hasattr(pk, "paged_attention"):
+        if pk is not None and hasattr(pk, "paged_attention") and pk.supports(q.shape[-1]):
             return pk.paged_attention(q, pages.k, pages.v, page_table, positions)
     k, v = gather_pages(pages, page_table)
     return attention_reference(q, k, v, positions, rows)

@@ -1,0 +1,51 @@
+"""The dispatch point's GPU branch, checked on the CPU by forcing `kernel` dispatch (no kernel is launched)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tfjax import ops
+from tfjax.models import layers
+
+
+@pytest.fixture
+def kernel_dispatch():
+    ops.set_kernels("kernel")
+    yield
+    ops.set_kernels("auto")
+
+
+def _loop_trips(jaxpr) -> list[int]:
+    """Trip counts of the scans in a jaxpr (lax.map lowers to scan)."""
+    return [e.params["length"] for e in jaxpr.eqns if e.primitive.name == "scan"]
+
+
+def test_gpu_fenced_map_never_traces_a_one_trip_loop_and_returns_the_rows_it_was_given(kernel_dispatch):
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 5)), jnp.float32)
+    fn = lambda r: r * jnp.sum(r)  # noqa: E731
+    assert _loop_trips(jax.make_jaxpr(lambda a: ops.fenced_map(fn, a))(x).jaxpr) == [2]
+    np.testing.assert_array_equal(ops.fenced_map(fn, x), jax.vmap(fn)(x))
+    three = jnp.concatenate([x, 2 * x, 3 * x])
+    assert _loop_trips(jax.make_jaxpr(lambda a: ops.fenced_map(fn, a))(three).jaxpr) == [3]
+
+
+def test_gpu_rowwise_runs_rows_in_fixed_tiles_whatever_their_count(kernel_dispatch):
+    fn = lambda t: t / jnp.sqrt(jnp.mean(t * t, axis=-1, keepdims=True))  # noqa: E731
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 9, 16)), jnp.float32)
+    jaxpr = jax.make_jaxpr(lambda a: ops.rowwise(fn, a, rows=True))(x).jaxpr
+    assert _loop_trips(jaxpr) == [2], "18 rows fit one GPU tile, run as a two-trip loop"
+    np.testing.assert_allclose(ops.rowwise(fn, x, rows=True), fn(x), rtol=1e-6)
+
+
+def test_paged_attention_falls_back_to_the_reference_for_head_dims_the_kernel_lacks(kernel_dispatch):
+    rng = np.random.default_rng(2)
+    pages = layers.KVPages(*(jnp.asarray(rng.standard_normal((4, 8, 2, 32)), jnp.float32) for _ in range(2)))
+    table = jnp.asarray([[0, 1, 2, 3]], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((1, 3, 4, 32)), jnp.float32)
+    positions = jnp.asarray([[5, 6, 7]], jnp.int32)
+    got = layers.paged_attention(q, pages, table, positions)
+    ops.set_kernels("reference")
+    np.testing.assert_array_equal(got, layers.paged_attention(q, pages, table, positions))

@@ -8,6 +8,7 @@ import shutil
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from safetensors.flax import load_file, save_file
 
 from tests.helpers import make_hf_checkpoint, prefill_then_steps
@@ -60,6 +61,35 @@ def test_mlx_checkpoint_we_write_gives_logits_of_its_dequantized_weights(tmp_pat
     assert q_config.quantization is not None
     tokens = _tokens()
     np.testing.assert_array_equal(prefill_then_steps(q_model, tokens, 12), prefill_then_steps(d_model, tokens, 12))
+
+
+@pytest.mark.parametrize("offset", [False, True], ids=["llama", "qwen3_5"])
+def test_mlx_checkpoint_we_write_keeps_every_norm_of_its_source(tmp_path, hf_dense, offset):
+    """Norm weights survive write_mlx + load (llama norms have no +1 to undo; a stray one broke SmolLM2)."""
+    src = hf_dense if offset else _tiny_llama(tmp_path / "hf")
+    mlx = checkpoint.write_mlx(src, tmp_path / "mlx", bits=4, group_size=64, progress=False)
+    norms = lambda m: {k: np.asarray(v, np.float32) for k, v in nnx.to_flat_state(nnx.state(m))  # noqa: E731
+                       if "norm" in ".".join(map(str, k))}
+    want, got = norms(checkpoint.load(src, progress=False)[0]), norms(checkpoint.load(mlx, progress=False)[0])
+    assert want.keys() == got.keys() and want
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], atol=1e-6, err_msg=str(k))
+
+
+def _tiny_llama(out):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
 
 
 def test_orbax_reload_gives_the_same_logits(tmp_path, hf_dense):

@@ -217,7 +217,7 @@ def write_mlx(src: str | Path, out_dir: str | Path, *, bits: int = 4, group_size
             key = key.replace(".mlp.experts.", ".mlp.switch_mlp.")
             if key.endswith("conv1d.weight"):
                 tensors[key] = value[:, :, None]  # [C, K] -> MLX [C, K, 1]
-            elif key.endswith(OFFSET_NORMS) and value.ndim == 1:
+            elif config.rms_norm_offset and key.endswith(OFFSET_NORMS) and value.ndim == 1:  # (1 + w) norms only
                 tensors[key] = (value.astype(jnp.float32) + 1.0).astype(value.dtype)
             elif key.endswith(".weight") and value.ndim >= 2 and value.shape[-1] % group_size == 0:
                 w, s, b = quant.quantize(value.astype(jnp.bfloat16), bits=bits, group_size=group_size)

@@ -55,10 +55,12 @@ def _paged_kernel(q_ref, pos_ref, pt_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, 
         acc, m, l = carry
         k0 = start + i * block_k
         pids = pt_ref[pl.ds(k0 // page, per_tile)]  # [per_tile]
-        k = k_ref[pids].reshape(block_k, e)
-        v = v_ref[pids].reshape(block_k, e)
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
         keys = k0 + jnp.arange(block_k)
+        k = k_ref[pids].reshape(block_k, e)
+        # keys past every row hold whatever their pages hold (a lane's unallocated tail): never let a NaN
+        # there reach a row through 0 * NaN in the p @ v product
+        v = jnp.where((keys <= jnp.max(pos))[:, None], v_ref[pids].reshape(block_k, e), 0)
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
         s = jnp.where(keys[None, :] <= pos[:, None], s, -jnp.inf)  # [bq, bk]
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.exp(s - m_new[:, None])
@@ -146,6 +148,7 @@ def paged_attention(
     chunks = pl.cdiv(span, bs.chunk_k)
     pt = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, chunks * bs.chunk_k // page - page_table.shape[1])))
     pos = jnp.minimum(pos, span - 1)
+    pt = jnp.clip(pt, 0, k_pages.shape[0] - 1)  # the engine marks unallocated pages with P: never load past the pool
     qb = rows_pad // bs.block_q
     p_total = k_pages.shape[0]
     kernel = functools.partial(_paged_kernel, page=page, block_k=bs.block_k, chunk_k=bs.chunk_k, scale=e**-0.5)

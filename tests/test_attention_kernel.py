@@ -65,6 +65,20 @@ def test_interpret_rows_bit_identical_to_each_row_alone():
         np.testing.assert_array_equal(f(q[:, i : i + 1], pos[:, i : i + 1])[:, 0], full[:, i], err_msg=f"row {i}")
 
 
+def test_interpret_unallocated_pages_holding_nan_never_reach_a_row():
+    """The engine marks a lane's unallocated pages with P (past the pool); what lies there can be NaN."""
+    rng = np.random.default_rng(5)
+    q, kp, vp, _, _ = _case(rng, 1, 3, 4, 2, 64, 4, 16, jnp.float32)
+    table = jnp.asarray([[2, 0, 1, kp.shape[0]]], jnp.int32)  # 3 pages allocated, the 4th marked P
+    positions = jnp.asarray([[37, 38, 39]], jnp.int32)  # the key tile [32, 64) spans pages 2 and 3
+    clean = pa.reference(q, kp, vp, table, positions)
+    last = kp.shape[0] - 1  # interpret mode clamps P to the pool's last page: poison it
+    kp, vp = kp.at[last].set(jnp.nan), vp.at[last].set(jnp.nan)
+    y = pa.paged_attention(q, kp, vp, table, positions, block_sizes=SMALL, interpret=True)
+    assert np.isfinite(np.asarray(y)).all()
+    assert _rel_err(y, clean) < 1e-5
+
+
 def test_bad_shapes_raise_naming_the_value():
     rng = np.random.default_rng(4)
     q, kp, vp, pt, pos = _case(rng, 1, 1, 4, 2, 64, 4, 16, jnp.float32)

@@ -199,14 +199,20 @@ def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax
 
 def paged_attention(q: jax.Array, pages: KVPages, page_table: jax.Array, positions: jax.Array,
                     rows: bool = False) -> jax.Array:
-    """Attention of q rows over a lane's pages (kernel on GPU, reference elsewhere)."""
+    """Attention of q rows over a lane's pages (kernels on GPU, reference elsewhere).
+
+    On GPU, lane-round rows (decode, verify) take the row-invariant paged kernel; a prompt chunk gathers
+    the lane's keys in position order and takes the causal flash kernel (many rows, compute-bound).
+    """
     if ops.use_kernels():
-        try:
+        if rows:
             from pallas_kernels import attention as pk
-        except ImportError:
-            pk = None
-        if pk is not None and hasattr(pk, "paged_attention"):
+
             return pk.paged_attention(q, pages.k, pages.v, page_table, positions)
+        from pallas_kernels import flash_attention as fa
+
+        k, v = gather_pages(pages, page_table)
+        return fa.flash_attention(q, k, v, positions)
     k, v = gather_pages(pages, page_table)
     return attention_reference(q, k, v, positions, rows)
 

@@ -52,12 +52,12 @@ def _flash_kernel(q_ref, pos_ref, k_ref, v_ref, o_ref, *, block_k, scale):
         k0 = pl.multiple_of(i * block_k, block_k)
         k = k_ref[pl.ds(k0, block_k), :]
         v = v_ref[pl.ds(k0, block_k), :]
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * qk_scale
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)  # [bq, bk]
         if masked:
             keys = k0 + jnp.arange(block_k)
-            s = jnp.where(keys[None, :] <= pos[:, None], s, -jnp.inf)  # [bq, bk]
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        p = jnp.exp2(s - m_new[:, None])
+            s = jnp.where(keys[None, :] <= pos[:, None], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1) * qk_scale)  # m in scaled (base-2) units; qk_scale > 0
+        p = jnp.exp2(s * qk_scale - m_new[:, None])  # one fused multiply-add per score
         alpha = jnp.exp2(m - m_new)
         pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         return acc * alpha[:, None] + pv, m_new, l * alpha + jnp.sum(p, axis=1)

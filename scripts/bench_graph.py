@@ -315,6 +315,7 @@ def prompt_section():
 
 FLASH_SWEEP = [(128, 64, 8, 2), (128, 32, 8, 3), (128, 32, 8, 4), (64, 64, 4, 2), (64, 64, 4, 3),
                (128, 128, 8, 1)]  # (block_q, block_k, num_warps, num_stages); the default first
+FLASH_SIZES = (2048, 8192, 16384)
 
 
 def flash_section():
@@ -360,7 +361,7 @@ def flash_section():
     RESULTS["flash_checks"] = checks
 
     best = {}
-    for t in (2048, 8192, 16384):
+    for t in FLASH_SIZES:
         q, k, v = qkv(t, t, t)
         pos = jnp.arange(t, dtype=jnp.int32)[None]
         flops = 4 * h * e * t * t / 2

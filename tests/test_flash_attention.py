@@ -86,6 +86,16 @@ def test_bad_shapes_raise_naming_the_value():
         fa.flash_attention(q, k, v, pos[:, :2], block_sizes=SMALL, interpret=True)
 
 
+@pytest.mark.parametrize("e,h,g", [(64, 8, 2), (256, 24, 4)])
+def test_lowers_to_triton_for_cuda_without_a_gpu(e, h, g):
+    """The compiled path's Pallas -> Triton lowering (not Triton's own compile) checked on the CPU."""
+    q = jax.ShapeDtypeStruct((2, 300, h, e), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 700, g, e), jnp.bfloat16)
+    p = jax.ShapeDtypeStruct((2, 300), jnp.int32)
+    text = fa.flash_attention.trace(q, k, k, p).lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text and 'name = "flash_attention"' in text
+
+
 # The same kind of cases compiled on a GPU, at the model's geometry: `pytest -m gpu tests/test_flash_attention.py`.
 @pytest.mark.gpu
 @pytest.mark.parametrize("t,starts", [(1, [0, 300]), (129, [0, 77]), (256, [1000, 3]), (1000, [0, 0])])

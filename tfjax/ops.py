@@ -29,6 +29,11 @@ def use_kernels() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def flash_prompts() -> bool:
+    """Prompt chunks through the flash kernel on GPU (`TFJAX_FLASH=1`; off until timed on a GPU)."""
+    return os.environ.get("TFJAX_FLASH", "0") == "1"
+
+
 def set_kernels(mode: str) -> None:
     """Force `kernel`, `reference` or `auto` dispatch (takes effect for new traces)."""
     global _FORCE

@@ -199,13 +199,21 @@ def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax
 
 def paged_attention(q: jax.Array, pages: KVPages, page_table: jax.Array, positions: jax.Array,
                     rows: bool = False) -> jax.Array:
-    """Attention of q rows over a lane's pages (kernel on GPU, reference elsewhere)."""
+    """Attention of q rows over a lane's pages (kernels on GPU, reference elsewhere).
+
+    On GPU, lane-round rows (decode, verify) take the row-invariant paged kernel; a prompt chunk takes it
+    too unless `TFJAX_FLASH=1`, which gathers the lane's keys and takes the causal flash kernel (written
+    and CPU-tested, not yet compiled on a GPU: opt-in until measured). Head dims the kernels lack fall back.
+    """
+    e = q.shape[-1]
     if ops.use_kernels():
-        try:
-            from pallas_kernels import attention as pk
-        except ImportError:
-            pk = None
-        if pk is not None and hasattr(pk, "paged_attention") and pk.supports(q.shape[-1]):
+        from pallas_kernels import attention as pk
+        from pallas_kernels import flash_attention as fa
+
+        if not rows and ops.flash_prompts() and e in fa.HEAD_DIMS:
+            k, v = gather_pages(pages, page_table)
+            return fa.flash_attention(q, k, v, positions)
+        if pk.supports(e):
             return pk.paged_attention(q, pages.k, pages.v, page_table, positions)
     k, v = gather_pages(pages, page_table)
     return attention_reference(q, k, v, positions, rows)

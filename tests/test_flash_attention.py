@@ -1,0 +1,147 @@
+"""The Pallas causal flash attention for prompt chunks equals the reference.
+
+Each case runs in interpret mode on the CPU (default) and compiled on a GPU under `-m gpu`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import flash_attention as fa
+
+SMALL = fa.BlockSizes(block_q=16, block_k=16)
+
+
+def _case(rng, b, t, h, g, e, s, dtype, starts=None):
+    """Fresh random q [B, T, H, E], k, v [B, S, G, E]; each lane's chunk starts at `starts[b]` (random if None)."""
+    q = jnp.asarray(rng.standard_normal((b, t, h, e)), dtype)
+    k = jnp.asarray(rng.standard_normal((b, s, g, e)), dtype)
+    v = jnp.asarray(rng.standard_normal((b, s, g, e)), dtype)
+    if starts is None:
+        starts = rng.integers(0, s - t + 1, size=b)
+    positions = np.asarray(starts)[:, None] + np.arange(t)[None]
+    return q, k, v, jnp.asarray(positions, jnp.int32)
+
+
+def _rel_err(y, r):
+    y, r = np.asarray(y, np.float64), np.asarray(r, np.float64)
+    return np.linalg.norm(y - r) / np.linalg.norm(r)
+
+
+def _check(args, bs, interpret, dtype):
+    y = fa.flash_attention(*args, block_sizes=bs, interpret=interpret)
+    r = fa.reference(*args)
+    assert y.shape == args[0].shape and y.dtype == dtype
+    assert np.isfinite(np.asarray(y, np.float32)).all()
+    assert _rel_err(y, r) < (1e-5 if dtype == jnp.float32 else 1e-2)
+
+
+# T: one row, one block, block + 1 (a padded second block); chunks from position 0 and mid-context
+@pytest.mark.parametrize("t", [1, 16, 17])
+@pytest.mark.parametrize("starts", [[0, 0], [37, 5]])
+def test_interpret_ragged_chunks_match_reference(t, starts):
+    rng = np.random.default_rng(t + sum(starts))
+    _check(_case(rng, 2, t, 4, 2, 64, 70, jnp.float32, starts), SMALL, True, jnp.float32)
+
+
+@pytest.mark.parametrize("e,h,g", [(64, 6, 2), (128, 4, 4), (256, 8, 1), (256, 6, 1)])
+def test_interpret_gqa_head_dims_match_reference(e, h, g):
+    rng = np.random.default_rng(e + h + g)
+    _check(_case(rng, 2, 33, h, g, e, 64, jnp.float32), SMALL, True, jnp.float32)
+
+
+def test_interpret_keys_not_a_tile_multiple_and_rows_past_the_keys():
+    rng = np.random.default_rng(7)
+    q, k, v, _ = _case(rng, 1, 20, 4, 2, 64, 45, jnp.float32)
+    positions = jnp.asarray(30 + np.arange(20)[None], jnp.int32)  # rows 15.. sit past key 44: they see all keys
+    _check((q, k, v, positions), SMALL, True, jnp.float32)
+
+
+def test_interpret_bf16_in_bf16_out():
+    rng = np.random.default_rng(8)
+    _check(_case(rng, 1, 40, 4, 2, 128, 96, jnp.bfloat16, [50]), fa.BlockSizes(32, 16), True, jnp.bfloat16)
+
+
+def test_interpret_chunks_equal_the_whole_prompt():
+    """A prompt fed in two chunks over the same keys gives the rows of the prompt fed at once."""
+    rng = np.random.default_rng(9)
+    q, k, v, pos = _case(rng, 1, 48, 4, 2, 64, 48, jnp.float32, [0])
+    whole = fa.flash_attention(q, k, v, pos, block_sizes=SMALL, interpret=True)
+    first = fa.flash_attention(q[:, :20], k, v, pos[:, :20], block_sizes=SMALL, interpret=True)
+    second = fa.flash_attention(q[:, 20:], k, v, pos[:, 20:], block_sizes=SMALL, interpret=True)
+    np.testing.assert_allclose(np.concatenate([first, second], axis=1), whole, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_shapes_raise_naming_the_value():
+    rng = np.random.default_rng(4)
+    q, k, v, pos = _case(rng, 1, 4, 4, 2, 64, 16, jnp.float32)
+    with pytest.raises(ValueError, match="block_k=24"):
+        fa.flash_attention(q, k, v, pos, block_sizes=fa.BlockSizes(block_k=24), interpret=True)
+    with pytest.raises(ValueError, match="h=3"):
+        fa.flash_attention(q[:, :, :3], k, v, pos, block_sizes=SMALL, interpret=True)
+    with pytest.raises(ValueError, match="positions.shape"):
+        fa.flash_attention(q, k, v, pos[:, :2], block_sizes=SMALL, interpret=True)
+
+
+@pytest.mark.parametrize("e,h,g", [(64, 8, 2), (256, 24, 4)])
+def test_lowers_to_triton_for_cuda_without_a_gpu(e, h, g):
+    """The compiled path's Pallas -> Triton lowering (not Triton's own compile) checked on the CPU."""
+    q = jax.ShapeDtypeStruct((2, 300, h, e), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 700, g, e), jnp.bfloat16)
+    p = jax.ShapeDtypeStruct((2, 300), jnp.int32)
+    text = fa.flash_attention.trace(q, k, k, p).lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text and 'name = "flash_attention"' in text
+
+
+# The same kind of cases compiled on a GPU, at the model's geometry: `pytest -m gpu tests/test_flash_attention.py`.
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,starts", [(1, [0, 300]), (129, [0, 77]), (256, [1000, 3]), (1000, [0, 0])])
+def test_gpu_prompt_chunks_match_reference(t, starts):
+    assert jax.default_backend() == "gpu"
+    rng = np.random.default_rng(t)
+    _check(_case(rng, 2, t, 24, 4, 256, 1400, jnp.bfloat16, starts), None, False, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("e,h,g", [(64, 8, 2), (128, 16, 4), (256, 8, 8)])
+def test_gpu_gqa_head_dims_match_reference(e, h, g):
+    rng = np.random.default_rng(e)
+    _check(_case(rng, 2, 300, h, g, e, 700, jnp.bfloat16), None, False, jnp.bfloat16)
+
+
+def test_model_prompt_path_takes_flash_and_rows_take_paged(monkeypatch):
+    """With kernels on and TFJAX_FLASH=1, a prompt chunk goes to flash and lane-round rows to the paged kernel."""
+    from pallas_kernels import attention as pa
+    from tfjax import ops
+    from tfjax.models import layers
+
+    calls = []
+
+    def spy(name, fn):
+        def wrapped(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs, block_sizes=SMALL if name == "flash" else None, interpret=True)
+
+        return wrapped
+
+    monkeypatch.setattr(fa, "flash_attention", spy("flash", fa.flash_attention))
+    monkeypatch.setattr(pa, "paged_attention", spy("paged", pa.paged_attention))
+    rng = np.random.default_rng(10)
+    p, page, g, e, n = 12, 16, 2, 64, 5
+    pages = layers.KVPages(jnp.asarray(rng.standard_normal((p, page, g, e)), jnp.float32),
+                           jnp.asarray(rng.standard_normal((p, page, g, e)), jnp.float32))
+    pt = jnp.asarray(rng.permutation(p)[:n][None], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((1, 20, 4, e)), jnp.float32)
+    pos = jnp.asarray(31 + np.arange(20)[None], jnp.int32)
+    want = layers.paged_attention(q, pages, pt, pos)  # the reference path (CPU)
+    monkeypatch.setattr(ops, "_FORCE", "kernel")
+    assert _rel_err(layers.paged_attention(q, pages, pt, pos), want) < 1e-5 and calls == ["paged"], "opt-in only"
+    calls.clear()
+    monkeypatch.setenv("TFJAX_FLASH", "1")
+    got = layers.paged_attention(q, pages, pt, pos)
+    got_rows = layers.paged_attention(q, pages, pt, pos, rows=True)
+    assert calls == ["flash", "paged"]
+    assert _rel_err(got, want) < 1e-5 and _rel_err(got_rows, want) < 1e-5

@@ -52,6 +52,7 @@ def main():
     ap.add_argument("--copy-match", type=int, default=5)
     ap.add_argument("--width", type=int, default=8)
     ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--plain-twice", action="store_true", help="a second plain row: is plain decoding deterministic?")
     ap.add_argument("--random-weights", type=int, default=None, metavar="BITS",
                     help="random MLX BITS-bit weights of the folder's geometry (0: unquantized); plain rows only")
     args = ap.parse_args()
@@ -66,19 +67,31 @@ def main():
 
     print(f"{args.model} on {jax.devices()[0].device_kind}, jax {jax.__version__}"
           + (f", random {args.random_weights}-bit weights" if args.random_weights is not None else ""))
+    notes: list[str] = []
     print("| cell | mode | tok/s | tok/round | x plain | hash == plain |")
     print("|---|---|---|---|---|---|")
     for name, prompt in (("code edit", CODE), ("code new", CODE_NEW), ("chat", CHAT)):
         for sampling, params in (("greedy", {}), ("sampled", SAMPLED)):
             base_s, base = timed(engines["copies"], prompt, args.tokens, False, params)
             print(f"| {name}, {sampling} | plain | {base_s:.1f} | {base.tokens_per_round:.2f} | 1.00 | - |")
-            if args.random_weights is not None:
-                continue
-            for mode, llm in engines.items():
-                s, out = timed(llm, prompt, args.tokens, True, params)
+            runs = [] if args.random_weights is not None else [(m, llm, True) for m, llm in engines.items()]
+            if args.plain_twice:
+                runs.insert(0, ("plain again", engines["copies"], False))
+            for mode, llm, draft in runs:
+                s, out = timed(llm, prompt, args.tokens, draft, params)
                 same = "1/1" if out.token_sha256 == base.token_sha256 else "0/1"
                 print(f"| {name}, {sampling} | {mode} | {s:.1f} | {out.tokens_per_round:.2f} | {s / base_s:.2f} | {same} |",
                       flush=True)
+                if out.token_sha256 != base.token_sha256:
+                    notes.append(f"{name}, {sampling}, {mode}: {first_difference(base.token_ids, out.token_ids)}")
+    for note in notes:
+        print(note)
+
+
+def first_difference(a: list[int], b: list[int]) -> str:
+    """Where two replies part: the index and the two tokens there."""
+    i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return f"first difference at token {i} of {len(a)}: {a[i] if i < len(a) else None} vs {b[i] if i < len(b) else None}"
 
 
 if __name__ == "__main__":

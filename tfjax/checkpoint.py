@@ -167,34 +167,45 @@ def load(path: str | Path, *, dtype: str | None = None, progress: bool = True) -
     shapes = tensor_shapes(path)
     config = config.replace(quantization=_quant_from_keys(shapes, config))
     abstract = nnx.eval_shape(lambda: models.build(config))
+    source = _Source(config, _is_mlx_layout(shapes))
+    bar = tqdm(total=len(shapes), desc=f"loading {path.name}", unit="tensor", disable=not progress)
+
+    def tensors():
+        for raw_key, value in iter_tensors(path):
+            bar.update(1)
+            yield from source.convert(raw_key, value)
+        bar.close()
+
+    return fill(abstract, tensors(), f"{path}", leftovers=source.leftovers), config
+
+
+def fill(abstract: nnx.Module, tensors: Iterator[tuple[str, jax.Array]], where: str, *, key_of=param_key,
+         leftovers=lambda: []) -> nnx.Module:
+    """An abstract module's parameters filled from (key, tensor) pairs: every shape checked, none extra or missing."""
     graphdef, state = nnx.split(abstract)
     flat = dict(nnx.to_flat_state(state))
-    wanted = {param_key(k): k for k in flat}
+    wanted = {key_of(k): k for k, v in flat.items() if isinstance(v, nnx.Param)}
     filled: dict[str, jax.Array] = {}
-    source = _Source(config, _is_mlx_layout(shapes))
     extra = []
-    bar = tqdm(total=len(shapes), desc=f"loading {path.name}", unit="tensor", disable=not progress)
-    for raw_key, value in iter_tensors(path):
-        bar.update(1)
-        for key, v in source.convert(raw_key, value):
-            if key not in wanted:
-                extra.append(key)
-                continue
-            target = flat[wanted[key]]
-            if tuple(v.shape) != tuple(target.shape):
-                raise CheckpointError(f"tensor {key}: expected shape {tuple(target.shape)}, found {tuple(v.shape)}")
-            filled[key] = v.astype(target.dtype) if v.dtype != target.dtype else v
-    bar.close()
+    for key, v in tensors:
+        if key not in wanted:
+            extra.append(key)
+            continue
+        target = flat[wanted[key]]
+        if tuple(v.shape) != tuple(target.shape):
+            raise CheckpointError(f"tensor {key}: expected shape {tuple(target.shape)}, found {tuple(v.shape)} "
+                                  f"(in {where})")
+        filled[key] = v.astype(target.dtype) if v.dtype != target.dtype else v
     if extra:
-        raise CheckpointError(f"unexpected tensors in {path}: {', '.join(sorted(extra)[:8])}"
+        raise CheckpointError(f"unexpected tensors in {where}: {', '.join(sorted(extra)[:8])}"
                               + (f" and {len(extra) - 8} more" if len(extra) > 8 else ""))
-    missing = sorted(set(wanted) - set(filled)) + source.leftovers()
+    missing = sorted(set(wanted) - set(filled)) + list(leftovers())
     if missing:
-        raise CheckpointError(f"missing tensors in {path}: {', '.join(missing[:8])}"
+        raise CheckpointError(f"missing tensors in {where}: {', '.join(missing[:8])}"
                               + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
     for key, flat_key in wanted.items():
         flat[flat_key] = flat[flat_key].replace(filled[key])
-    return nnx.merge(graphdef, nnx.from_flat_state(flat)), config
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
 def write_mlx(src: str | Path, out_dir: str | Path, *, bits: int = 4, group_size: int = 64,

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tfjax.checkpoint import CheckpointError, iter_tensors, tensor_shapes
+from tfjax.checkpoint import CheckpointError, fill, iter_tensors, tensor_shapes
 from tfjax.config import ConfigError, ModelConfig, QuantConfig
 from tfjax.drafters.dflash2 import DFlashConfig, DFlashDrafter
 
@@ -82,27 +82,8 @@ def load(path: str | Path, *, dtype: str | None = None, target: ModelConfig | No
 
         check_fits(config, target)
     abstract = nnx.eval_shape(lambda: DFlashDrafter(config, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
-    flat = dict(nnx.to_flat_state(state))
-    wanted = {_param_key(k): k for k, v in flat.items() if isinstance(v, nnx.Param)}
-    filled, extra = {}, []
-    for raw_key, value in iter_tensors(path):
-        key = _ours(raw_key)
-        if key not in wanted:
-            extra.append(raw_key)
-            continue
-        slot = flat[wanted[key]]
-        if tuple(value.shape) != tuple(slot.shape):
-            raise CheckpointError(f"drafter tensor {raw_key}: expected shape {tuple(slot.shape)}, found {tuple(value.shape)}")
-        filled[key] = value.astype(slot.dtype)
-    if extra:
-        raise CheckpointError(f"unexpected tensors in drafter {path}: {', '.join(sorted(extra)[:8])}")
-    missing = sorted(set(wanted) - set(filled))
-    if missing:
-        raise CheckpointError(f"missing tensors in drafter {path}: {', '.join(missing[:8])}")
-    for key, flat_key in wanted.items():
-        flat[flat_key] = flat[flat_key].replace(filled[key])
-    drafter = nnx.merge(graphdef, nnx.from_flat_state(flat))
+    tensors = ((_ours(raw_key), value) for raw_key, value in iter_tensors(path))
+    drafter = fill(abstract, tensors, f"drafter {path}", key_of=_param_key)
     return drafter if target is None else drafter.bind(target)
 
 

@@ -92,3 +92,17 @@ def make_tiny_llama_with_tokenizer(out: Path, tokenizer_dir: Path, seed: int = 0
         if (tokenizer_dir / name).exists():
             shutil.copy(tokenizer_dir / name, out / name)
     return out
+
+
+def rel_err(y, r) -> float:
+    """Relative L2 error of y against the reference r, in float64."""
+    y, r = np.asarray(y, np.float64), np.asarray(r, np.float64)
+    return float(np.linalg.norm(y - r) / np.linalg.norm(r))
+
+
+def check_kernel(kernel, reference, args, bs, interpret: bool, dtype) -> None:
+    """A kernel's output has the query's shape and dtype, is finite, and is within dtype tolerance of the reference."""
+    y = kernel(*args, block_sizes=bs, interpret=interpret)
+    assert y.shape == args[0].shape and y.dtype == dtype
+    assert np.isfinite(np.asarray(y, np.float32)).all()
+    assert rel_err(y, reference(*args)) < (1e-5 if dtype == jnp.float32 else 1e-2)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import attention as pa
+from tests.helpers import check_kernel, rel_err
 
 SMALL = pa.BlockSizes(block_q=16, block_k=32, chunk_k=64)
 
@@ -27,17 +28,8 @@ def _case(rng, b, t, h, g, e, n, page, dtype, positions=None):
     return q, kp, vp, pt, jnp.asarray(positions, jnp.int32)
 
 
-def _rel_err(y, r):
-    y, r = np.asarray(y, np.float64), np.asarray(r, np.float64)
-    return np.linalg.norm(y - r) / np.linalg.norm(r)
-
-
 def _check(args, bs, interpret, dtype):
-    y = pa.paged_attention(*args, block_sizes=bs, interpret=interpret)
-    r = pa.reference(*args)
-    assert y.shape == args[0].shape and y.dtype == dtype
-    assert np.isfinite(np.asarray(y, np.float32)).all()
-    assert _rel_err(y, r) < (1e-5 if dtype == jnp.float32 else 1e-2)
+    check_kernel(pa.paged_attention, pa.reference, args, bs, interpret, dtype)
 
 
 # (positions per lane): length 1, a page boundary (15 -> 16), block + 1 (32 -> 33), a chunk edge (63, 64)
@@ -76,7 +68,7 @@ def test_interpret_unallocated_pages_holding_nan_never_reach_a_row():
     kp, vp = kp.at[last].set(jnp.nan), vp.at[last].set(jnp.nan)
     y = pa.paged_attention(q, kp, vp, table, positions, block_sizes=SMALL, interpret=True)
     assert np.isfinite(np.asarray(y)).all()
-    assert _rel_err(y, clean) < 1e-5
+    assert rel_err(y, clean) < 1e-5
 
 
 def test_bad_shapes_raise_naming_the_value():

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import flash_attention as fa
+from tests.helpers import check_kernel, rel_err
 
 SMALL = fa.BlockSizes(block_q=16, block_k=16)
 
@@ -26,17 +27,8 @@ def _case(rng, b, t, h, g, e, s, dtype, starts=None):
     return q, k, v, jnp.asarray(positions, jnp.int32)
 
 
-def _rel_err(y, r):
-    y, r = np.asarray(y, np.float64), np.asarray(r, np.float64)
-    return np.linalg.norm(y - r) / np.linalg.norm(r)
-
-
 def _check(args, bs, interpret, dtype):
-    y = fa.flash_attention(*args, block_sizes=bs, interpret=interpret)
-    r = fa.reference(*args)
-    assert y.shape == args[0].shape and y.dtype == dtype
-    assert np.isfinite(np.asarray(y, np.float32)).all()
-    assert _rel_err(y, r) < (1e-5 if dtype == jnp.float32 else 1e-2)
+    check_kernel(fa.flash_attention, fa.reference, args, bs, interpret, dtype)
 
 
 # T: one row, one block, block + 1 (a padded second block); chunks from position 0 and mid-context
@@ -138,10 +130,10 @@ def test_model_prompt_path_takes_flash_and_rows_take_paged(monkeypatch):
     pos = jnp.asarray(31 + np.arange(20)[None], jnp.int32)
     want = layers.paged_attention(q, pages, pt, pos)  # the reference path (CPU)
     monkeypatch.setattr(ops, "_FORCE", "kernel")
-    assert _rel_err(layers.paged_attention(q, pages, pt, pos), want) < 1e-5 and calls == ["paged"], "opt-in only"
+    assert rel_err(layers.paged_attention(q, pages, pt, pos), want) < 1e-5 and calls == ["paged"], "opt-in only"
     calls.clear()
     monkeypatch.setenv("TFJAX_FLASH", "1")
     got = layers.paged_attention(q, pages, pt, pos)
     got_rows = layers.paged_attention(q, pages, pt, pos, rows=True)
     assert calls == ["flash", "paged"]
-    assert _rel_err(got, want) < 1e-5 and _rel_err(got_rows, want) < 1e-5
+    assert rel_err(got, want) < 1e-5 and rel_err(got_rows, want) < 1e-5

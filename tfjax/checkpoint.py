@@ -213,7 +213,6 @@ def write_mlx(src: str | Path, out_dir: str | Path, *, bits: int = 4, group_size
     """Quantize a bf16 Hugging Face folder into an MLX affine checkpoint (MLX layouts, +1 norms)."""
     from safetensors.flax import save_file
 
-    from tfjax import quant
 
     src, out = Path(src), Path(out_dir)
     config = ModelConfig.from_json(src)
@@ -231,20 +230,32 @@ def write_mlx(src: str | Path, out_dir: str | Path, *, bits: int = 4, group_size
             elif config.rms_norm_offset and key.endswith(OFFSET_NORMS) and value.ndim == 1:  # (1 + w) norms only
                 tensors[key] = (value.astype(jnp.float32) + 1.0).astype(value.dtype)
             elif key.endswith(".weight") and value.ndim >= 2 and value.shape[-1] % group_size == 0:
-                w, s, b = quant.quantize(value.astype(jnp.bfloat16), bits=bits, group_size=group_size)
-                stem = key[: -len(".weight")]
-                tensors[stem + ".weight"], tensors[stem + ".scales"], tensors[stem + ".biases"] = w, s, b
+                put_quantized(tensors, key[: -len(".weight")], value, bits, group_size)
             else:
                 tensors[key] = value
     save_file(tensors, str(out / "model.safetensors"))
-    raw = json.loads((src / "config.json").read_text())
-    raw["quantization"] = {"group_size": group_size, "bits": bits, "mode": "affine"}
-    raw["quantization_config"] = raw["quantization"]
-    (out / "config.json").write_text(json.dumps(raw, indent=2))
+    write_quantized_config(src, out, bits, group_size, hf_alias=True)
     for name in TOKENIZER_FILES:
         if (src / name).exists():
             shutil.copy(src / name, out / name)
     return out
+
+
+def put_quantized(tensors: dict, stem: str, value: jax.Array, bits: int, group_size: int) -> None:
+    """tensors[stem + .weight/.scales/.biases] = the MLX affine quantization of value (via bf16)."""
+    from tfjax import quant
+
+    w, s, b = quant.quantize(value.astype(jnp.bfloat16), bits=bits, group_size=group_size)
+    tensors[stem + ".weight"], tensors[stem + ".scales"], tensors[stem + ".biases"] = w, s, b
+
+
+def write_quantized_config(src: Path, out: Path, bits: int, group_size: int, *, hf_alias: bool = False) -> None:
+    """src's config.json with MLX's quantization entry (and transformers' alias of it) into out."""
+    raw = json.loads((src / "config.json").read_text())
+    raw["quantization"] = {"group_size": group_size, "bits": bits, "mode": "affine"}
+    if hf_alias:
+        raw["quantization_config"] = raw["quantization"]
+    (out / "config.json").write_text(json.dumps(raw, indent=2))
 
 
 def save_orbax(model: nnx.Module, config: ModelConfig, out_dir: str | Path) -> Path:

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tfjax.checkpoint import CheckpointError, fill, iter_tensors, tensor_shapes
+from tfjax.checkpoint import CheckpointError, fill, iter_tensors, put_quantized, tensor_shapes, write_quantized_config
 from tfjax.config import ConfigError, ModelConfig, QuantConfig
 from tfjax.drafters.dflash2 import DFlashConfig, DFlashDrafter
 
@@ -116,7 +116,6 @@ def write_mlx(src: str | Path, out_dir: str | Path, *, bits: int = 4, group_size
     """Quantize a bf16 drafter folder the way MLX does: every 2-D weight whose input dim fits the group."""
     from safetensors.flax import save_file
 
-    from tfjax import quant
 
     src, out = Path(src), Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -124,12 +123,9 @@ def write_mlx(src: str | Path, out_dir: str | Path, *, bits: int = 4, group_size
     for key, value in iter_tensors(src):
         stem = _ours(key)[: -len(".weight")]
         if value.ndim == 2 and (key.endswith(".weight") or key in CODEBOOKS) and value.shape[-1] % group_size == 0:
-            w, s, b = quant.quantize(value.astype(jnp.bfloat16), bits=bits, group_size=group_size)
-            tensors[stem + ".weight"], tensors[stem + ".scales"], tensors[stem + ".biases"] = w, s, b
+            put_quantized(tensors, stem, value, bits, group_size)
         else:
             tensors[key] = value
     save_file(tensors, str(out / "model.safetensors"))
-    raw = json.loads((src / "config.json").read_text())
-    raw["quantization"] = {"group_size": group_size, "bits": bits, "mode": "affine"}
-    (out / "config.json").write_text(json.dumps(raw, indent=2))
+    write_quantized_config(src, out, bits, group_size)
     return out

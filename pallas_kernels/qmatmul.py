@@ -236,101 +236,141 @@ def reference(x, weight, scales, biases, *, bits: int = 4, group_size: int = 64)
 
 
 # --- The kernel-layout version (weights repacked once by `quant.to_kernel_layout`) ---
-# Per K tile of T = (32 // bits) * group_size inputs, bit field j of the tile's group_size words is
-# group j of the tile, so the unpack is one shift and mask per field on a [block_n, group_size] word
-# tile, with one scale and bias per output (a contiguous row of the transposed scales). With `fold`, the
-# dot runs on the raw integers q (exact in bf16) and the group's affine map is applied to the [M, N]
-# partial: sum_k x_k (s q_k + b) = s * dot(x, q) + b * sum_k x_k, which moves the per-weight multiply-add
-# to a per-output one. Row invariance as above: tiles, fields and split come from the weight's shape.
+# A GEMV on the CUDA cores, no MMA: decode and verify rows (M <= 64) are memory-bound, and an MMA would
+# pad M to 16 and need a register shuffle of every unpacked weight into its operand layout. The weight
+# is [K * bits // 32, N], N contiguous, so each thread loads 16-byte runs of 4 outputs and holds all of a
+# group's words for them: the dot over a group is a chain of FMAs inside the thread, and the only
+# cross-thread work is none (one program's columns are spread over its threads).
+# Unpack without int->float converts: OR a field, still in place, into the mantissa of 2^23 (0x4B000000)
+# and subtract 2^23, which gives q * 2^(bits * i) exactly for a field at bit bits * i < 16 (the high half
+# word is shifted down once for the other fields); the power of two goes into the scale (exact), so the
+# dequantized weight is fma(q, s, b) as in the reference, in float32.
+# Row invariance: each row is its own chain of the same instructions; the group order, the K split and the
+# columns of a program come from the weight's shape only, never from M or the other rows.
+
+_MAGIC = 0x4B000000  # float32 2^23: an integer below 2^23 OR-ed into its mantissa reads as 2^23 + integer
 
 
 @dataclasses.dataclass(frozen=True)
 class TiledBlockSizes:
-    """Tile sizes of `qmatmul_tiled`; all but ``block_m`` must depend only on the weight's shape."""
+    """Tile sizes of `qmatmul_tiled`; all but ``block_m`` depend only on the weight's shape (row invariance)."""
 
-    block_m: int = 16
-    block_n: int = 64
-    split_k: int = 1
+    block_m: int = 8  # rows per program (fewer when M is smaller); each row is computed alone
+    block_n: int = 512  # columns per program: 4 per thread x 32 threads x num_warps keeps a group in-thread
+    split_k: int = 1  # programs along K; their f32 partials are summed in a fixed order
+    groups_per_step: int = 2  # groups loaded per loop step (loads in flight)
     num_warps: int = 4
-    num_stages: int = 3
-    swap: bool = True  # the weight tile as the MMA's left operand (out.T = W @ x.T): measured 1.4-1.6x faster
-    fold: bool = True  # dot with raw q, then scale and add bias * sum(x) per group
+    num_stages: int = 2
+    fold: bool = False  # dot each group with raw q, then s * dot + b * sum(x): no per-weight dequantize
 
     @classmethod
-    def for_weight(cls, n: int, k: int, bits: int = 4, group_size: int = 64, programs: int = 264,
-                   **kw) -> TiledBlockSizes:
-        """Smallest split of K's tiles (a divisor) giving >= `programs` programs; from the shape alone."""
-        want = kw.pop("block_n", 64)
-        block_n = next((b for b in (want, 64, 32, 16) if n % b == 0), want)  # N=48 (DeltaNet a, b): 16
-        tiles = k // quant.kernel_tile(bits, group_size)
-        divisors = [s for s in range(1, tiles + 1) if tiles % s == 0]
-        split = next((s for s in divisors if (n // block_n) * s >= programs), divisors[-1])
-        split = min(split, max(d for d in divisors if d <= 8))  # more partials cost more than they feed
-        return cls(block_n=block_n, split_k=split, **kw)
+    def for_weight(cls, n: int, k: int, bits: int = 4, group_size: int = 64, *, programs: int = 264,
+                   max_split: int = 32, cols: int = 4, **kw) -> TiledBlockSizes:
+        """From the weight's shape alone: the widest program (`cols` outputs per thread, fewer warps for a
+        small N) and the smallest split of K's groups (<= `max_split`) giving >= `programs` programs."""
+        del bits
+        groups = k // group_size
+        warps = kw.pop("num_warps", 4)
+        step = kw.pop("groups_per_step", 2)
+        splits = [s for s in range(1, min(groups, max_split) + 1) if groups % s == 0]
+        best = None
+        for nw in (warps, warps // 2, warps // 4, 1):
+            bn = next((b for b in (cols * 32 * nw, 64, 32, 16) if nw >= 1 and n % b == 0), 16)
+            split = next((s for s in splits if (n // bn) * s >= programs), splits[-1])
+            if best is None or (n // bn) * split > best[0]:
+                best = ((n // bn) * split, max(nw, 1), bn, split)
+            if best[0] >= programs:
+                break
+        _, nw, bn, split = best
+        per_split = groups // split
+        step = next(t for t in (step, 4, 2, 1) if t <= step and per_split % t == 0)
+        return cls(block_n=bn, split_k=split, num_warps=nw, groups_per_step=step, **kw)
 
 
-def _tiled_kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, m, bits, group_size, tiles_per_split, swap, fold):
-    # x_ref [block_m, K]; w_ref [block_n, K * bits // 32] uint32; s_ref, b_ref [K // group_size, block_n]
-    block_m = x_ref.shape[0]
-    block_n = w_ref.shape[0]
-    per_word = 32 // bits
-    tile = per_word * group_size
-    row_mask = (pl.program_id(0) * block_m + jnp.arange(block_m) < m)[:, None]  # [block_m, 1]
-    first = pl.program_id(2) * tiles_per_split
+def _fields(words, bits):
+    """Each bit field of uint32 `words` as float32 ``q * 2^e`` (exact), with its ``2^-e``."""
+    half = 16 // bits  # fields in the low half word; the high half is shifted down once
+    mask = (1 << bits) - 1
+    hi = words >> jnp.uint32(16)
+    for j in range(32 // bits):
+        src, i = (words, j) if j < half else (hi, j - half)
+        magic = (src & jnp.uint32(mask << (bits * i))) | jnp.uint32(_MAGIC)
+        yield lax.bitcast_convert_type(magic, jnp.float32) - jnp.float32(2.0**23), 2.0 ** (-bits * i)
 
-    def body(t, acc):
-        kt = first + t
-        words = w_ref[:, pl.ds(kt * group_size, group_size)]  # [bn, g] uint32
-        for j in range(per_word):
-            x = plgpu.load(x_ref.at[:, pl.ds(kt * tile + j * group_size, group_size)], mask=row_mask, other=0)
-            q = ((words >> jnp.uint32(bits * j)) & jnp.uint32((1 << bits) - 1)).astype(jnp.int32)  # [bn, g]
-            s = s_ref[kt * per_word + j, :].astype(jnp.float32)  # [bn]
-            b = b_ref[kt * per_word + j, :].astype(jnp.float32)
+
+def _tiled_kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, m, bits, group_size, steps, groups_per_step, fold):
+    # x_ref [rows, K]; w_ref [K * bits // 32, block_n] uint32; s_ref, b_ref [K // group_size, block_n]
+    # o_ref [rows, block_n]
+    rows = x_ref.shape[0]
+    block_n = w_ref.shape[1]
+    wg = group_size * bits // 32  # words per group (and inputs per field of a group)
+    ragged = m % rows != 0  # only then can a program hold rows past M
+    valid = [pl.program_id(0) * rows + r < m for r in range(rows)]
+    first = pl.program_id(2) * steps * groups_per_step
+
+    def load_x(r, start):
+        if not ragged:
+            return x_ref[r, pl.ds(start, wg)].astype(jnp.float32)
+        mask = jnp.full((wg,), valid[r])
+        return plgpu.load(x_ref.at[jnp.int32(r), pl.ds(start, wg)], mask=mask, other=0).astype(jnp.float32)
+
+    def body(t, accs):
+        accs = list(accs)
+        for u in range(groups_per_step):
+            grp = first + t * groups_per_step + u
+            words = w_ref[pl.ds(grp * wg, wg), :]  # [wg, bn]
+            s = s_ref[grp, :].astype(jnp.float32)  # [bn]
+            b = b_ref[grp, :].astype(jnp.float32)
+            if fold:  # per row: p = sum_j c_j * dot(f_j, x_j), xs = sum(x); acc += s * p + b * xs
+                part = [None] * rows
+                xsum = [None] * rows
+            for j, (f, c) in enumerate(_fields(words, bits)):
+                if not fold:
+                    w = f * (s * c)[None, :] + b[None, :]  # [wg, bn]: s * q + b, the reference's f32 value
+                for r in range(rows):
+                    x = load_x(r, grp * group_size + j * wg)  # [wg]
+                    if not fold:
+                        accs[r] = accs[r] + jnp.sum(w * x[:, None], axis=0)
+                        continue
+                    d = jnp.sum(f * x[:, None], axis=0) * c  # [bn]; exact power-of-2 rescale
+                    part[r] = d if j == 0 else part[r] + d
+                    xsum[r] = jnp.sum(x) if j == 0 else xsum[r] + jnp.sum(x)
             if fold:
-                w = q.astype(jnp.float32).astype(x.dtype)
-            else:
-                w = (q.astype(jnp.float32) * s[:, None] + b[:, None]).astype(x.dtype)
-            if swap:  # [bn, bm]
-                d = lax.dot_general(w, x, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-                if fold:
-                    xs = jnp.sum(x.astype(jnp.float32), axis=1)  # [bm]
-                    d = d * s[:, None] + b[:, None] * xs[None, :]
-            else:  # [bm, bn]
-                d = lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-                if fold:
-                    xs = jnp.sum(x.astype(jnp.float32), axis=1)
-                    d = d * s[None, :] + xs[:, None] * b[None, :]
-            acc = acc + d
-        return acc
+                for r in range(rows):
+                    accs[r] = accs[r] + (part[r] * s + b * xsum[r])
+        return tuple(accs)
 
-    shape = (block_n, block_m) if swap else (block_m, block_n)
-    acc = lax.fori_loop(0, tiles_per_split, body, jnp.zeros(shape, jnp.float32))
-    if swap:
-        acc = acc.T
-    plgpu.store(o_ref, acc.astype(o_ref.dtype), mask=row_mask)
+    zero = jnp.zeros((block_n,), jnp.float32)
+    accs = lax.fori_loop(0, steps, body, tuple(zero for _ in range(rows)))
+    for r in range(rows):
+        if ragged:
+            plgpu.store(o_ref.at[jnp.int32(r), :], accs[r].astype(o_ref.dtype), mask=jnp.full((block_n,), valid[r]))
+        else:
+            o_ref[r, :] = accs[r].astype(o_ref.dtype)
 
 
 def _check_tiled(x, weight, scales, biases, bits, group_size, bs: TiledBlockSizes):
     if bits not in quant.BITS or group_size not in quant.GROUP_SIZES:
         raise ValueError(f"{bits=} / {group_size=} not supported; use {quant.BITS} / {quant.GROUP_SIZES}")
     if x.ndim != 2 or weight.ndim != 2 or weight.dtype != jnp.uint32:
-        raise ValueError(f"want x [M, K] and uint32 weight [N, K*bits/32], got {x.shape=} {weight.shape=} {weight.dtype=}")
+        raise ValueError(f"want x [M, K] and uint32 weight [K*bits/32, N], got {x.shape=} {weight.shape=} {weight.dtype=}")
     m, k = x.shape
-    n, kw = weight.shape
+    kw, n = weight.shape
     if kw * 32 // bits != k:
-        raise ValueError(f"{x.shape=} has K={k} but {weight.shape=} unpacks to K={kw * 32 // bits}")
+        raise ValueError(f"{x.shape=} has K={k} but {weight.shape=} (kernel layout: [K*bits/32, N]) holds K={kw * 32 // bits}")
     want = (k // group_size, n)
     if tuple(scales.shape) != want or tuple(biases.shape) != want:
         raise ValueError(f"{scales.shape=} and {biases.shape=} must both be {want} (kernel layout: transposed)")
-    tile = quant.kernel_tile(bits, group_size)
-    for name in ("block_m", "block_n"):
-        v = getattr(bs, name)
-        if v < 16 or v & (v - 1):
-            raise ValueError(f"{name}={v} must be a power of 2 >= 16")
+    v = bs.block_n
+    if v < 16 or v & (v - 1):
+        raise ValueError(f"block_n={v} must be a power of 2 >= 16")
+    if bs.block_m < 1:
+        raise ValueError(f"block_m={bs.block_m} must be >= 1")
     if n % bs.block_n:
         raise ValueError(f"N={n} must be a multiple of block_n={bs.block_n}")
-    if k % (tile * bs.split_k):
-        raise ValueError(f"K={k} must be a multiple of tile*split_k={tile}*{bs.split_k}")
+    if k % (group_size * bs.split_k * bs.groups_per_step):
+        raise ValueError(f"K={k} must be a multiple of group_size*split_k*groups_per_step="
+                         f"{group_size}*{bs.split_k}*{bs.groups_per_step}")
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_sizes", "interpret"))
@@ -346,26 +386,26 @@ def qmatmul_tiled(
     interpret: bool = False,
 ) -> jax.Array:
     """``x [..., K] @ W.T -> [..., N]`` for W in `quant.to_kernel_layout`'s layout; row-invariant."""
-    n = weight.shape[0]
+    n = weight.shape[1]
     k = x.shape[-1]
     bs = block_sizes or TiledBlockSizes.for_weight(n, k, bits, group_size)
     x2 = x.reshape(-1, k)
     _check_tiled(x2, weight, scales, biases, bits, group_size, bs)
     m = x2.shape[0]
+    rows = min(bs.block_m, m)  # one program's rows; each row's arithmetic is the same whatever this is
     split = bs.split_k
-    tiles_per_split = k // quant.kernel_tile(bits, group_size) // split
-    kernel = functools.partial(_tiled_kernel, m=m, bits=bits, group_size=group_size,
-                               tiles_per_split=tiles_per_split, swap=bs.swap, fold=bs.fold)
-    out_shape, out_spec = _split_output(m, n, x.dtype, bs)
-    ng = k // group_size
+    steps = k // group_size // split // bs.groups_per_step
+    kernel = functools.partial(_tiled_kernel, m=m, bits=bits, group_size=group_size, steps=steps,
+                               groups_per_step=bs.groups_per_step, fold=bs.fold)
+    out_shape, out_spec = _split_output(m, n, x.dtype, dataclasses.replace(bs, block_m=rows))
     out = pl.pallas_call(
         kernel,
-        grid=(pl.cdiv(m, bs.block_m), n // bs.block_n, split),  # rows fastest: row blocks share a weight tile
+        grid=(pl.cdiv(m, rows), n // bs.block_n, split),  # rows fastest: row blocks share a weight tile in L2
         in_specs=[
-            pl.BlockSpec((bs.block_m, k), lambda i, j, s: (i, 0)),
-            pl.BlockSpec((bs.block_n, weight.shape[1]), lambda i, j, s: (j, 0)),
-            pl.BlockSpec((ng, bs.block_n), lambda i, j, s: (0, j)),
-            pl.BlockSpec((ng, bs.block_n), lambda i, j, s: (0, j)),
+            pl.BlockSpec((rows, k), lambda i, j, s: (i, 0)),
+            pl.BlockSpec((weight.shape[0], bs.block_n), lambda i, j, s: (0, j)),
+            pl.BlockSpec((k // group_size, bs.block_n), lambda i, j, s: (0, j)),
+            pl.BlockSpec((k // group_size, bs.block_n), lambda i, j, s: (0, j)),
         ],
         out_specs=out_spec,
         out_shape=out_shape,

@@ -139,7 +139,7 @@ def test_gpu_rows_bit_identical_whatever_m_and_neighbours():
 
 
 # --- the kernel layout (`quant.to_kernel_layout`) and `qmatmul_tiled` ---
-TILED = qm.TiledBlockSizes(block_n=16, split_k=2)
+TILED = qm.TiledBlockSizes(block_m=4, block_n=16, split_k=2, groups_per_step=2)
 
 
 def _tiled(rng, n, k, bits, group_size, dtype):
@@ -150,6 +150,7 @@ def _tiled(rng, n, k, bits, group_size, dtype):
 def test_kernel_layout_round_trips_and_dequantizes_the_same():
     rng = np.random.default_rng(1)
     (w, s, b), (wt, st, bt) = _tiled(rng, 32, 1024, 4, 64, jnp.float32)
+    assert wt.shape == (1024 // 8, 32) and st.shape == (1024 // 64, 32)
     back = quant.from_kernel_layout(wt, st, bt, 4, 64)
     for x, y in zip(back, (w, s, b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
@@ -157,28 +158,70 @@ def test_kernel_layout_round_trips_and_dequantizes_the_same():
                                   np.asarray(quant.dequantize(w, s, b, 4, 64)))
 
 
-@pytest.mark.parametrize("m,bits,group_size,swap,fold", [
-    (1, 4, 64, False, True), (17, 4, 32, True, True), (5, 4, 128, False, False), (3, 8, 64, True, False),
+def test_kernel_layout_field_j_of_a_group_holds_a_contiguous_run_of_inputs():
+    q = np.arange(2 * 128, dtype=np.uint32).reshape(2, 128) % 16  # [N=2, K=128], one value per input
+    w = quant.pack(q, 4)
+    wt, _, _ = quant.to_kernel_layout(w, np.ones((2, 2), np.float32), np.ones((2, 2), np.float32), 4, 64)
+    fields = quant.unpack(wt.T, 4).reshape(2, 2, 8, 8)  # [n, group, word w, field j]
+    want = q.reshape(2, 2, 8, 8).swapaxes(-1, -2)  # field j of word w is input j * 8 + w of the group
+    np.testing.assert_array_equal(fields, want)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_field_unpack_is_exact_integers_times_a_power_of_two(bits):
+    rng = np.random.default_rng(bits)
+    per_word = 32 // bits
+    q = rng.integers(0, 1 << bits, (64, per_word), dtype=np.uint32)
+    q[0], q[1] = 0, (1 << bits) - 1  # both ends of the range
+    words = jnp.asarray(quant.pack(q, bits))  # [64, 1]
+    for j, (f, c) in enumerate(qm._fields(words, bits)):
+        np.testing.assert_array_equal(np.asarray(f)[:, 0] * c, q[:, j].astype(np.float32))
+
+
+@pytest.mark.parametrize("m,bits,group_size,fold", [
+    (1, 4, 64, False), (17, 4, 32, False), (5, 4, 128, True), (3, 8, 64, False), (9, 8, 32, True),
 ])  # fmt: skip
-def test_interpret_tiled_matches_reference(m, bits, group_size, swap, fold):
+def test_interpret_tiled_matches_reference(m, bits, group_size, fold):
     rng = np.random.default_rng(m + bits)
-    k = 2 * quant.kernel_tile(bits, group_size)
+    k = 8 * group_size
     mlx, tiled = _tiled(rng, 32, k, bits, group_size, jnp.float32)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
-    bs = dataclasses.replace(TILED, swap=swap, fold=fold)
+    bs = dataclasses.replace(TILED, fold=fold)
     y = qm.qmatmul_tiled(x, *tiled, bits=bits, group_size=group_size, block_sizes=bs, interpret=True)
     r = qm.reference(x, *mlx, bits=bits, group_size=group_size)
     assert y.shape == (m, 32) and _rel_err(y, r) < 1e-5
+
+
+@pytest.mark.parametrize("n", [48, 80, 1024])
+def test_interpret_tiled_default_block_sizes_match_reference_in_bf16(n):
+    rng = np.random.default_rng(n)
+    mlx, tiled = _tiled(rng, n, 512, 4, 64, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((3, 512)), jnp.bfloat16)
+    y = qm.qmatmul_tiled(x, *tiled, interpret=True)
+    assert y.dtype == jnp.bfloat16 and _rel_err(y, qm.reference(x, *mlx)) < 1e-2
 
 
 def test_interpret_tiled_rows_bit_identical_whatever_m_and_neighbours():
     rng = np.random.default_rng(2)
     _, tiled = _tiled(rng, 32, 1024, 4, 64, jnp.float32)
     f = lambda x: np.asarray(qm.qmatmul_tiled(x, *tiled, block_sizes=TILED, interpret=True))
-    x = jnp.asarray(rng.standard_normal((17, 1024)), jnp.float32)
-    alone = np.stack([f(x[i : i + 1])[0] for i in (0, 16)])
-    batch = f(x)
-    np.testing.assert_array_equal(batch[[0, 16]], alone)
+    x = jnp.asarray(rng.standard_normal((9, 1024)), jnp.float32)
+    alone = np.stack([f(x[i : i + 1])[0] for i in range(9)])
+    for m in (2, 3, 9):  # 9: two full 4-row programs and a ragged one
+        others = jnp.asarray(rng.standard_normal((m, 1024)), jnp.float32)
+        for start in range(0, 9, m):
+            idx = np.arange(start, min(start + m, 9))
+            np.testing.assert_array_equal(f(others.at[: len(idx)].set(x[idx]))[: len(idx)], alone[idx], err_msg=f"{m=}")
+
+
+def test_interpret_tiled_fold_rows_bit_identical_whatever_m():
+    rng = np.random.default_rng(8)
+    _, tiled = _tiled(rng, 32, 1024, 4, 64, jnp.float32)
+    bs = dataclasses.replace(TILED, fold=True)
+    f = lambda x: np.asarray(qm.qmatmul_tiled(x, *tiled, block_sizes=bs, interpret=True))
+    x = jnp.asarray(rng.standard_normal((6, 1024)), jnp.float32)
+    alone = np.stack([f(x[i : i + 1])[0] for i in range(6)])
+    np.testing.assert_array_equal(f(x), alone)
 
 
 def test_ops_kernel_layout_reference_path_equals_mlx_path():
@@ -193,9 +236,11 @@ def test_ops_kernel_layout_reference_path_equals_mlx_path():
 
 
 def test_tiled_block_sizes_depend_on_weight_shape_only():
-    bs = qm.TiledBlockSizes.for_weight(5120, 17408, 4, 64)
-    assert (5120 // bs.block_n) * bs.split_k >= 160 and 34 % bs.split_k == 0
-    assert qm.TiledBlockSizes.for_weight(17408, 5120, 4, 64).split_k == 1
+    for n, k in [(17408, 5120), (5120, 17408), (12288, 5120), (1024, 5120), (5120, 6144)]:
+        bs = qm.TiledBlockSizes.for_weight(n, k, 4, 64)
+        assert n % bs.block_n == 0 and (k // 64) % (bs.split_k * bs.groups_per_step) == 0
+        assert (n // bs.block_n) * bs.split_k >= 160, (n, k, bs)  # enough programs for 132 SMs
+    assert qm.TiledBlockSizes.for_weight(17408, 5120, 4, 64).block_n == 512  # 4 outputs x 128 threads
 
 
 @pytest.mark.gpu

@@ -262,26 +262,25 @@ class TiledBlockSizes:
     num_warps: int = 4
     num_stages: int = 2
     fold: bool = False  # dot each group with raw q, then s * dot + b * sum(x): no per-weight dequantize
+    x_f32: bool = False  # x cast to float32 before the kernel (elementwise: row-invariant), no casts inside
+    offset: bool = False  # with fold: keep the unpack's 2^23 in the dot, subtract 2^23 * sum(x) per field
 
     @classmethod
-    def for_weight(cls, n: int, k: int, bits: int = 4, group_size: int = 64, *, programs: int = 264,
-                   max_split: int = 32, cols: int = 4, **kw) -> TiledBlockSizes:
-        """From the weight's shape alone: the widest program (`cols` outputs per thread, fewer warps for a
-        small N) and the smallest split of K's groups (<= `max_split`) giving >= `programs` programs."""
-        del bits
+    def for_weight(cls, n: int, k: int, bits: int = 4, group_size: int = 64, *, warps: int = 1056,
+                   partials: float = 0.1, cols: int = 4, **kw) -> TiledBlockSizes:
+        """From the weight's shape alone. Programs of `num_warps` warps with `cols` outputs per thread (fewer
+        warps where N needs it); K's groups split into the fewest parts giving >= `warps` warps in all (8 per
+        SM keeps enough loads in flight), while the f32 partials (8 bytes per output and part, per row) stay
+        under `partials` of the weight's bytes."""
         groups = k // group_size
-        warps = kw.pop("num_warps", 4)
+        warps_per_program = kw.pop("num_warps", 4)
         step = kw.pop("groups_per_step", 2)
-        splits = [s for s in range(1, min(groups, max_split) + 1) if groups % s == 0]
-        best = None
-        for nw in (warps, warps // 2, warps // 4, 1):
-            bn = next((b for b in (cols * 32 * nw, 64, 32, 16) if nw >= 1 and n % b == 0), 16)
-            split = next((s for s in splits if (n // bn) * s >= programs), splits[-1])
-            if best is None or (n // bn) * split > best[0]:
-                best = ((n // bn) * split, max(nw, 1), bn, split)
-            if best[0] >= programs:
-                break
-        _, nw, bn, split = best
+        nw, bn = next(((w, cols * 32 * w) for w in (warps_per_program, 4, 2, 1)
+                       if w <= warps_per_program and n % (cols * 32 * w) == 0),
+                      (warps_per_program, next((b for b in (64, 32, 16) if n % b == 0), 16)))
+        cap = max(1, int(partials * k * bits / 8 / 8))
+        splits = [s for s in range(1, groups + 1) if groups % s == 0 and s <= cap] or [1]
+        split = next((s for s in splits if (n // bn) * nw * s >= warps), splits[-1])
         per_split = groups // split
         step = next(t for t in (step, 4, 2, 1) if t <= step and per_split % t == 0)
         return cls(block_n=bn, split_k=split, num_warps=nw, groups_per_step=step, **kw)
@@ -298,7 +297,32 @@ def _fields(words, bits):
         yield lax.bitcast_convert_type(magic, jnp.float32) - jnp.float32(2.0**23), 2.0 ** (-bits * i)
 
 
-def _tiled_kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, m, bits, group_size, steps, groups_per_step, fold):
+def _offset_shifts(bits):
+    """Per field, the left shift (negative: right) that lands it at a bit p with 12 <= p <= 23 - bits."""
+    lo, hi = 12, 23 - bits
+    out, have = [], [0]
+    for j in range(32 // bits):
+        pos = bits * j
+        sh = next((h for h in have if lo <= pos + h <= hi), lo - pos)
+        have.append(sh)
+        out.append(sh)
+    return out
+
+
+def _fields_offset(words, bits):
+    """Each field as float32 ``2^23 + q * 2^e`` (the magic offset kept), with ``2^-e``; e >= 12 always, so
+    removing ``2^23 * sum(x)`` after a dot loses at most ~8 of float32's 24 bits (far under bf16)."""
+    derived = {}
+    for j, sh in enumerate(_offset_shifts(bits)):
+        if sh not in derived:
+            derived[sh] = words if sh == 0 else (words << jnp.uint32(sh) if sh > 0 else words >> jnp.uint32(-sh))
+        p = bits * j + sh
+        magic = (derived[sh] & jnp.uint32(((1 << bits) - 1) << p)) | jnp.uint32(_MAGIC)
+        yield lax.bitcast_convert_type(magic, jnp.float32), 2.0**-p
+
+
+def _tiled_kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, m, bits, group_size, steps, groups_per_step, fold,
+                  offset):
     # x_ref [rows, K]; w_ref [K * bits // 32, block_n] uint32; s_ref, b_ref [K // group_size, block_n]
     # o_ref [rows, block_n]
     rows = x_ref.shape[0]
@@ -324,7 +348,8 @@ def _tiled_kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, m, bits, group_size, ste
             if fold:  # per row: p = sum_j c_j * dot(f_j, x_j), xs = sum(x); acc += s * p + b * xs
                 part = [None] * rows
                 xsum = [None] * rows
-            for j, (f, c) in enumerate(_fields(words, bits)):
+            fields = _fields_offset(words, bits) if offset else _fields(words, bits)
+            for j, (f, c) in enumerate(fields):
                 if not fold:
                     w = f * (s * c)[None, :] + b[None, :]  # [wg, bn]: s * q + b, the reference's f32 value
                 for r in range(rows):
@@ -332,9 +357,13 @@ def _tiled_kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, m, bits, group_size, ste
                     if not fold:
                         accs[r] = accs[r] + jnp.sum(w * x[:, None], axis=0)
                         continue
-                    d = jnp.sum(f * x[:, None], axis=0) * c  # [bn]; exact power-of-2 rescale
+                    xs = jnp.sum(x)
+                    d = jnp.sum(f * x[:, None], axis=0)  # [bn]
+                    if offset:
+                        d = d - jnp.float32(2.0**23) * xs
+                    d = d * c  # exact power-of-2 rescale
                     part[r] = d if j == 0 else part[r] + d
-                    xsum[r] = jnp.sum(x) if j == 0 else xsum[r] + jnp.sum(x)
+                    xsum[r] = xs if j == 0 else xsum[r] + xs
             if fold:
                 for r in range(rows):
                     accs[r] = accs[r] + (part[r] * s + b * xsum[r])
@@ -366,6 +395,8 @@ def _check_tiled(x, weight, scales, biases, bits, group_size, bs: TiledBlockSize
         raise ValueError(f"block_n={v} must be a power of 2 >= 16")
     if bs.block_m < 1:
         raise ValueError(f"block_m={bs.block_m} must be >= 1")
+    if bs.offset and not bs.fold:
+        raise ValueError("offset=True needs fold=True (the offset is removed per field with sum(x))")
     if n % bs.block_n:
         raise ValueError(f"N={n} must be a multiple of block_n={bs.block_n}")
     if k % (group_size * bs.split_k * bs.groups_per_step):
@@ -391,12 +422,14 @@ def qmatmul_tiled(
     bs = block_sizes or TiledBlockSizes.for_weight(n, k, bits, group_size)
     x2 = x.reshape(-1, k)
     _check_tiled(x2, weight, scales, biases, bits, group_size, bs)
+    if bs.x_f32:
+        x2 = x2.astype(jnp.float32)
     m = x2.shape[0]
     rows = min(bs.block_m, m)  # one program's rows; each row's arithmetic is the same whatever this is
     split = bs.split_k
     steps = k // group_size // split // bs.groups_per_step
     kernel = functools.partial(_tiled_kernel, m=m, bits=bits, group_size=group_size, steps=steps,
-                               groups_per_step=bs.groups_per_step, fold=bs.fold)
+                               groups_per_step=bs.groups_per_step, fold=bs.fold, offset=bs.offset)
     out_shape, out_spec = _split_output(m, n, x.dtype, dataclasses.replace(bs, block_m=rows))
     out = pl.pallas_call(
         kernel,

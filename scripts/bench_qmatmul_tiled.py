@@ -35,19 +35,22 @@ SHAPES = {  # dense27, (N, K)
     "delta in qkv": (10240, 5120), "delta in z": (6144, 5120), "attn o": (5120, 6144), "attn k/v": (1024, 5120),
 }
 MS = (1, 4, 16, 64)
-VARIANTS = {  # name -> TiledBlockSizes.for_weight keywords
+VARIANTS = {  # name -> TiledBlockSizes.for_weight keywords, most telling first (the sweep may stop early)
     "default": {},
+    "foldoff": dict(fold=True, offset=True),
+    "fast": dict(fold=True, offset=True, x_f32=True, cols=8),
+    "fastc4": dict(fold=True, offset=True, x_f32=True),
     "fold": dict(fold=True),
-    "stages1": dict(num_stages=1),
-    "stages3": dict(num_stages=3),
-    "step4": dict(groups_per_step=4),
-    "prog528": dict(programs=528),
     "cols8": dict(cols=8),
-    "warps8": dict(num_warps=8),
-    "warps2": dict(num_warps=2),
+    "stages3": dict(num_stages=3),
+    "stages1": dict(num_stages=1),
+    "warps2k": dict(warps=2112),
+    "fast_s3": dict(fold=True, offset=True, x_f32=True, cols=8, num_stages=3),
+    "fast_r16": dict(fold=True, offset=True, x_f32=True, cols=8, block_m=16),
+    "fast_step4": dict(fold=True, offset=True, x_f32=True, cols=8, groups_per_step=4),
+    "xf32": dict(x_f32=True),
     "rows16": dict(block_m=16),
-    "rows4": dict(block_m=4),
-    "split8": dict(max_split=8),
+    "partials5": dict(partials=0.05),
 }
 INTERPRET = False  # --smoke: tiny shapes in interpret mode, to check this script on a CPU
 T0 = time.perf_counter()
@@ -144,6 +147,18 @@ def check_rows(variant, rows=16):
     LOG["rows_bad"] = bad
 
 
+def probe(variant):
+    """Compiles the kernel alone in modules named probe_m1 / probe_m16 (for XLA_FLAGS=--xla_dump_to PTX)."""
+    n, k = SHAPES["mlp gate/up"]
+    bs = qm.TiledBlockSizes.for_weight(n, k, BITS, GROUP, **variant)
+    w = jnp.zeros((k * BITS // 32, n), jnp.uint32)
+    s = jnp.zeros((k // GROUP, n), jnp.bfloat16)
+    for m in (1, 16):
+        f = tiled(bs)
+        f.__name__ = f"probe_m{m}"
+        jax.jit(f).lower(jnp.zeros((m, k), jnp.bfloat16), w, s, s).compile()
+
+
 def load_baseline(path):
     """The old-layout kernel file, with its kernel_tile (8 * group) inlined (our quant's is one group)."""
     src = open(path).read().replace("quant.kernel_tile(bits, group_size)", "((32 // bits) * group_size)")
@@ -162,6 +177,7 @@ def main():
     ap.add_argument("--variant", default="default", help="the table's variant when not sweeping")
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
+    ap.add_argument("--probe", action="store_true", help="compile the kernel alone as probe_m1 / probe_m16")
     a = ap.parse_args()
     if a.smoke:
         global INTERPRET, SHAPES
@@ -176,6 +192,8 @@ def main():
     variant = VARIANTS[a.variant]
     check_reference(variant)
     check_rows(variant)
+    if a.probe:
+        probe(variant)
     print(f"  [{elapsed():.0f} s]", flush=True)
 
     if a.sweep:

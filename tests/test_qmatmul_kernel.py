@@ -192,6 +192,27 @@ def test_interpret_tiled_matches_reference(m, bits, group_size, fold):
     assert y.shape == (m, 32) and _rel_err(y, r) < 1e-5
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_offset_fields_keep_2_to_23_and_sit_high_enough_to_subtract_it(bits):
+    rng = np.random.default_rng(bits + 1)
+    q = rng.integers(0, 1 << bits, (64, 32 // bits), dtype=np.uint32)
+    q[0], q[1] = 0, (1 << bits) - 1
+    for j, (f, c) in enumerate(qm._fields_offset(jnp.asarray(quant.pack(q, bits)), bits)):
+        assert c <= 2.0**-12  # the field sits at bit >= 12: 2^23 is at most 2^11 times its unit
+        np.testing.assert_array_equal((np.asarray(f)[:, 0] - 2.0**23) * c, q[:, j].astype(np.float32))
+
+
+@pytest.mark.parametrize("m,bits,group_size", [(1, 4, 64), (6, 8, 32), (17, 4, 128)])
+def test_interpret_tiled_offset_fold_matches_reference(m, bits, group_size):
+    rng = np.random.default_rng(m * bits)
+    k = 8 * group_size
+    mlx, tiled = _tiled(rng, 32, k, bits, group_size, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    bs = dataclasses.replace(TILED, fold=True, offset=True, x_f32=True)
+    y = qm.qmatmul_tiled(x, *tiled, bits=bits, group_size=group_size, block_sizes=bs, interpret=True)
+    assert _rel_err(y, qm.reference(x, *mlx, bits=bits, group_size=group_size)) < 2e-4  # ~8 bits of f32 lost
+
+
 @pytest.mark.parametrize("n", [48, 80, 1024])
 def test_interpret_tiled_default_block_sizes_match_reference_in_bf16(n):
     rng = np.random.default_rng(n)
@@ -217,11 +238,11 @@ def test_interpret_tiled_rows_bit_identical_whatever_m_and_neighbours():
 def test_interpret_tiled_fold_rows_bit_identical_whatever_m():
     rng = np.random.default_rng(8)
     _, tiled = _tiled(rng, 32, 1024, 4, 64, jnp.float32)
-    bs = dataclasses.replace(TILED, fold=True)
-    f = lambda x: np.asarray(qm.qmatmul_tiled(x, *tiled, block_sizes=bs, interpret=True))
-    x = jnp.asarray(rng.standard_normal((6, 1024)), jnp.float32)
-    alone = np.stack([f(x[i : i + 1])[0] for i in range(6)])
-    np.testing.assert_array_equal(f(x), alone)
+    for bs in (dataclasses.replace(TILED, fold=True), dataclasses.replace(TILED, fold=True, offset=True)):
+        f = lambda x, bs=bs: np.asarray(qm.qmatmul_tiled(x, *tiled, block_sizes=bs, interpret=True))
+        x = jnp.asarray(rng.standard_normal((6, 1024)), jnp.float32)
+        alone = np.stack([f(x[i : i + 1])[0] for i in range(6)])
+        np.testing.assert_array_equal(f(x), alone)
 
 
 def test_ops_kernel_layout_reference_path_equals_mlx_path():
@@ -239,7 +260,9 @@ def test_tiled_block_sizes_depend_on_weight_shape_only():
     for n, k in [(17408, 5120), (5120, 17408), (12288, 5120), (1024, 5120), (5120, 6144)]:
         bs = qm.TiledBlockSizes.for_weight(n, k, 4, 64)
         assert n % bs.block_n == 0 and (k // 64) % (bs.split_k * bs.groups_per_step) == 0
-        assert (n // bs.block_n) * bs.split_k >= 160, (n, k, bs)  # enough programs for 132 SMs
+        assert bs.split_k * 8 <= 0.1 * k / 2  # f32 partials under 10% of the weight's bytes, per row
+        if n >= 5120:
+            assert (n // bs.block_n) * bs.split_k * bs.num_warps >= 1024, (n, k, bs)  # ~8 warps per SM
     assert qm.TiledBlockSizes.for_weight(17408, 5120, 4, 64).block_n == 512  # 4 outputs x 128 threads
 
 

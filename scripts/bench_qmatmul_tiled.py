@@ -147,15 +147,15 @@ def check_rows(variant, rows=16):
     LOG["rows_bad"] = bad
 
 
-def probe(variant):
-    """Compiles the kernel alone in modules named probe_m1 / probe_m16 (for XLA_FLAGS=--xla_dump_to PTX)."""
+def probe(name):
+    """Compiles the kernel alone in modules named probe_NAME_mM (for XLA_FLAGS=--xla_dump_to: PTX to read)."""
     n, k = SHAPES["mlp gate/up"]
-    bs = qm.TiledBlockSizes.for_weight(n, k, BITS, GROUP, **variant)
+    bs = qm.TiledBlockSizes.for_weight(n, k, BITS, GROUP, **VARIANTS[name])
     w = jnp.zeros((k * BITS // 32, n), jnp.uint32)
     s = jnp.zeros((k // GROUP, n), jnp.bfloat16)
     for m in (1, 16):
         f = tiled(bs)
-        f.__name__ = f"probe_m{m}"
+        f.__name__ = f"probe_{name}_m{m}"
         jax.jit(f).lower(jnp.zeros((m, k), jnp.bfloat16), w, s, s).compile()
 
 
@@ -177,7 +177,9 @@ def main():
     ap.add_argument("--variant", default="default", help="the table's variant when not sweeping")
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
-    ap.add_argument("--probe", action="store_true", help="compile the kernel alone as probe_m1 / probe_m16")
+    ap.add_argument("--probe", default="", help="variants to compile alone as probe_NAME_mM (for XLA dumps)")
+    ap.add_argument("--check", default="default", help="variants to check against the reference")
+    ap.add_argument("--rows", default=None, help="the variant whose row invariance is checked (--variant)")
     a = ap.parse_args()
     if a.smoke:
         global INTERPRET, SHAPES
@@ -190,10 +192,11 @@ def main():
     LOG["copy_GBps"] = bw / 1e9
     print(f"copy {bw / 1e9:.0f} GB/s  [{elapsed():.0f} s]", flush=True)
     variant = VARIANTS[a.variant]
-    check_reference(variant)
-    check_rows(variant)
-    if a.probe:
-        probe(variant)
+    for name in a.check.split(","):
+        check_reference(VARIANTS[name])
+    check_rows(VARIANTS[a.rows or a.variant])
+    for name in filter(None, a.probe.split(",")):
+        probe(name)
     print(f"  [{elapsed():.0f} s]", flush=True)
 
     if a.sweep:
@@ -240,7 +243,7 @@ def main():
             x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
             t = per_call(tiled(bs), x, sets)
             rec = dict(shape=shape, n=n, k=k, m=m, us=t * 1e6, frac=qbytes(m, n, k) / t / bw, bs=str(bs))
-            if old and m in (1, 16, 64) and elapsed() < a.budget:
+            if old and elapsed() < a.budget:
                 f = lambda x, w, s, b: old.qmatmul_tiled(x, w, s, b, bits=BITS, group_size=GROUP, interpret=INTERPRET)
                 rec["old_us"] = per_call(f, x, old_sets) * 1e6
             LOG["table"].append(rec)

@@ -107,15 +107,25 @@ def qbytes(m, n, k):
 
 
 def sweep_tiled():
-    """`TiledBlockSizes.for_weight` keywords to sweep (scripts/bench_qmatmul_tiled.py sweeps more)."""
-    return [{}, dict(fold=True), dict(num_stages=1), dict(num_stages=3), dict(groups_per_step=4),
-            dict(programs=528), dict(cols=8), dict(num_warps=8), dict(block_m=16)]
+
+    out = []
+    for bn, swap, fold, nw, ns, prog in [
+        (64, False, True, 4, 3, 264), (64, True, True, 4, 3, 264), (64, False, False, 4, 3, 264),
+        (64, True, False, 4, 3, 264), (128, True, True, 4, 3, 264), (32, False, True, 4, 3, 264),
+        (64, False, True, 4, 4, 528), (64, True, True, 8, 3, 264), (128, True, True, 8, 4, 528),
+        (64, False, True, 2, 3, 264), (32, True, True, 4, 4, 528), (64, True, True, 4, 2, 132),
+    ]:  # fmt: skip
+        out.append(dict(block_n=bn, swap=swap, fold=fold, num_warps=nw, num_stages=ns, programs=prog))
+    return out
 
 
 def tiled_bs(policy, n, k):
     from pallas_kernels import qmatmul as qm
 
-    return qm.TiledBlockSizes.for_weight(n, k, BITS, GROUP, **policy)
+    p = dict(policy)
+    bn = p.pop("block_n")
+    bn = next(b for b in (bn, 64, 32, 16) if n % b == 0)
+    return qm.TiledBlockSizes.for_weight(n, k, BITS, GROUP, block_n=bn, **p)
 
 
 def qmatmul_section(sweep: bool, ms=(1, 4, 16, 64)):
@@ -125,7 +135,7 @@ def qmatmul_section(sweep: bool, ms=(1, 4, 16, 64)):
     from pallas_kernels import qmatmul as qm
 
     bw = RESULTS["copy_GBps"] * 1e9
-    policy = {}  # TiledBlockSizes.for_weight's defaults
+    policy = dict(block_n=64, swap=True, fold=True, num_warps=4, num_stages=3, programs=264)  # run-2 sweep winner
     if sweep:
         scores = {}
         for name in ("mlp gate/up", "mlp down"):

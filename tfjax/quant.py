@@ -117,22 +117,62 @@ def qmatmul_reference(x: jax.Array, weight, scales, biases, bits: int = 4, group
 
 
 # --- The kernel layout: made once at load time, read by `pallas_kernels.qmatmul.qmatmul_tiled` ---
-# The packed weight is stored transposed, ``[K * bits // 32, N]``, so a GPU thread's 16-byte load holds
-# 4 neighbouring outputs and a whole group's words sit in one thread (its dot needs no cross-thread sum).
-# Within each group of ``g`` inputs (``wg = g * bits // 32`` words), word ``w`` holds in bit field ``j``
-# the input ``j * wg + w`` of the group, so field ``j`` of the group's words meets the contiguous x slice
-# ``[j * wg, (j + 1) * wg)``. Scales and biases are stored transposed, ``[K // group_size, N]``, so the
+# Within each K tile of ``T = (32 // bits) * group_size`` inputs, word ``i`` (0..group_size-1) holds in
+# bit field ``j`` the input ``j * group_size + i`` of the tile, so field ``j`` of the tile's words is exactly
+# group ``j`` of the tile: a kernel unpacks with one shift and mask per field and meets one scale per output
+# and field, never a reshape. Scales and biases are stored transposed, ``[K // group_size, N]``, so the
 # scales of one group are one contiguous row. Same bytes as MLX; the checkpoint layout stays MLX.
 
 
 def kernel_tile(bits: int, group_size: int) -> int:
-    """K must be a multiple of this for the kernel layout (one group; other K keep the MLX layout)."""
-    del bits
-    return group_size
+    """Inputs per K tile of the kernel layout (a K that is not a multiple keeps the MLX layout)."""
+    return (32 // bits) * group_size
+
+
+def to_kernel_layout(weight, scales, biases, bits: int = 4, group_size: int = 64):
+    """MLX ``(weight [N, K*bits/32], scales, biases [N, K/g])`` -> kernel layout (weight same shape, s/b ``[K/g, N]``)."""
+    _check_bits(bits)
+    _check_group(group_size)
+    xp = _xp(weight)
+    n, kw = weight.shape
+    per_word, k = 32 // bits, kw * 32 // bits
+    if k % kernel_tile(bits, group_size):
+        raise ValueError(f"K={k} must be a multiple of {kernel_tile(bits, group_size)=} for the kernel layout")
+    q = unpack(weight, bits).reshape(n, k // (per_word * group_size), per_word, group_size)
+    q = q.swapaxes(-1, -2).reshape(n, k)  # word i of a tile now holds inputs i, g + i, 2g + i, ...
+    return pack(q, bits), xp.asarray(scales).T, xp.asarray(biases).T
+
+
+def from_kernel_layout(weight, scales, biases, bits: int = 4, group_size: int = 64):
+    """Inverse of ``to_kernel_layout``."""
+    n, kw = weight.shape
+    per_word, k = 32 // bits, kw * 32 // bits
+    q = unpack(weight, bits).reshape(n, k // (per_word * group_size), group_size, per_word)
+    return pack(q.swapaxes(-1, -2).reshape(n, k), bits), scales.T, biases.T
+
+
+def dequantize_kernel_layout(weight, scales, biases, bits: int = 4, group_size: int = 64, dtype=None):
+    """``dequantize`` for weights in the kernel layout (one fused unpack, no repack)."""
+    xp = _xp(weight)
+    n, kw = weight.shape
+    per_word, k = 32 // bits, kw * 32 // bits
+    q = unpack(weight, bits).reshape(n, k // (per_word * group_size), group_size, per_word).swapaxes(-1, -2)
+    q = q.reshape(n, k // group_size, group_size).astype(xp.float32)
+    w = q * scales.T.astype(xp.float32)[..., None] + biases.T.astype(xp.float32)[..., None]
+    return w.reshape(n, k).astype(scales.dtype if dtype is None else dtype)
+
+
+# --- The GEMV layout: made once at load time, read by `pallas_kernels.qmatmul.qmatmul_gemv` ---
+# The packed weight is stored transposed, ``[K * bits // 32, N]``, so a GPU thread's 16-byte load holds
+# 4 neighbouring outputs and a whole group's words sit in one thread (its dot needs no cross-thread sum).
+# Within each group of ``g`` inputs (``wg = g * bits // 32`` words), word ``w`` holds in bit field ``j``
+# the input ``j * wg + w`` of the group, so field ``j`` of the group's words meets the contiguous x run
+# ``[j * wg, (j + 1) * wg)``. Scales and biases are stored transposed, ``[K // group_size, N]``. Same bytes
+# as MLX; K needs only to be a multiple of the group.
 
 
 def _group_fields(q, group_size, per_word):
-    """[N, K] ints in input order -> [N, K] in kernel word order (word w, field j <- input j * wg + w)."""
+    """[N, K] ints in input order -> [N, K] in GEMV word order (word w, field j <- input j * wg + w)."""
     n, k = q.shape
     q = q.reshape(n, k // group_size, per_word, group_size // per_word)
     return q.swapaxes(-1, -2).reshape(n, k)
@@ -145,26 +185,23 @@ def _ungroup_fields(q, group_size, per_word):
     return q.swapaxes(-1, -2).reshape(n, k)
 
 
-def to_kernel_layout(weight, scales, biases, bits: int = 4, group_size: int = 64):
-    """MLX ``(weight [N, K*bits/32], scales, biases [N, K/g])`` -> kernel layout (``[K*bits/32, N]``, ``[K/g, N]``)."""
+def to_gemv_layout(weight, scales, biases, bits: int = 4, group_size: int = 64):
+    """MLX ``(weight [N, K*bits/32], scales, biases [N, K/g])`` -> GEMV layout (``[K*bits/32, N]``, ``[K/g, N]``)."""
     _check_bits(bits)
     _check_group(group_size)
     xp = _xp(weight)
-    k = weight.shape[1] * 32 // bits
-    if k % kernel_tile(bits, group_size):
-        raise ValueError(f"K={k} must be a multiple of {kernel_tile(bits, group_size)=} for the kernel layout")
     q = _group_fields(unpack(weight, bits), group_size, 32 // bits)
     return pack(q, bits).T, xp.asarray(scales).T, xp.asarray(biases).T
 
 
-def from_kernel_layout(weight, scales, biases, bits: int = 4, group_size: int = 64):
-    """Inverse of ``to_kernel_layout``."""
+def from_gemv_layout(weight, scales, biases, bits: int = 4, group_size: int = 64):
+    """Inverse of ``to_gemv_layout``."""
     q = _ungroup_fields(unpack(weight.T, bits), group_size, 32 // bits)
     return pack(q, bits), scales.T, biases.T
 
 
-def dequantize_kernel_layout(weight, scales, biases, bits: int = 4, group_size: int = 64, dtype=None):
-    """``dequantize`` for weights in the kernel layout: ``w [N, K]`` (one fused unpack, no repack)."""
+def dequantize_gemv_layout(weight, scales, biases, bits: int = 4, group_size: int = 64, dtype=None):
+    """``dequantize`` for weights in the GEMV layout: ``w [N, K]``."""
     xp = _xp(weight)
     q = _ungroup_fields(unpack(weight.T, bits), group_size, 32 // bits)
     n, k = q.shape

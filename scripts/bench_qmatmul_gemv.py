@@ -1,14 +1,13 @@
-"""Checks, sweeps and times `qmatmul_tiled` (the kernel-layout 4-bit matmul) at the dense27 shapes on a GPU.
+"""Checks, sweeps and times `qmatmul_gemv` (the CUDA-core 4-bit GEMV) at the dense27 shapes on a GPU.
 
-    PYTHONPATH=. python3 scripts/bench_qmatmul_tiled.py [--baseline OLD_QMATMUL_PY] [--budget 225]
-        [--sweep] [--out results.json]
+    PYTHONPATH=. python3 scripts/bench_qmatmul_gemv.py [--old] [--budget 225] [--sweep] [--out results.json]
 
 One call, in order of need: the copy bandwidth (device-to-device, bytes read + written); the compiled
 kernel against XLA's dequantize-then-dot on fresh random data; rows 0..15 computed alone against the same
 rows inside batches of M in {2, 3, 5, 8, 16, 17, 64} with fresh random neighbours (bit for bit); with
 --sweep, tile variants at the two MLP shapes for M = 1 and 16 (the best by total time wins); then the
-table: every shape, M in {1, 4, 16, 64}, for the winner and (with --baseline, a `pallas_kernels/qmatmul.py`
-of the old layout) the previous kernel. Each time is the median of 20 runs of one jitted program cycling
+table: every shape, M in {1, 4, 16, 64}, for the winner and (with --old) `qmatmul_tiled`, the MMA kernel
+that ops dispatches to. Each time is the median of 20 runs of one jitted program cycling
 through enough weight sets (>= 400 MB) that L2 cannot hold them, divided by the set count. Stops starting
 new work past --budget seconds and always prints the table of what it finished.
 """
@@ -16,10 +15,8 @@ new work past --budget seconds and always prints the table of what it finished.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
-import sys
 import time
 
 import jax
@@ -42,6 +39,7 @@ VARIANTS = {  # name -> TiledBlockSizes.for_weight keywords, most telling first 
     "fastc4": dict(fold=True, offset=True, x_f32=True),
     "fold": dict(fold=True),
     "cols8": dict(cols=8),
+    "step2": dict(groups_per_step=2),
     "stages3": dict(num_stages=3),
     "stages1": dict(num_stages=1),
     "warps2k": dict(warps=2112),
@@ -87,7 +85,7 @@ def rel_err(y, r):
 
 
 def sets_for(n, k, seed, layout):
-    """Random packed words (any uint32 is a valid weight) in `layout` ("new": [K/8, N], "old": [N, K/8])."""
+    """Random packed words (any uint32 is a valid weight) in `layout` ("new": GEMV [K/8, N]; "old": [N, K/8])."""
     count = 2 if INTERPRET else max(2, min(32, math.ceil(400e6 / qbytes(1, n, k))))
     out = []
     for i in range(count):
@@ -108,18 +106,18 @@ def mlx_weights(n, k, seed):
     return w, s, b
 
 
-def tiled(bs):
-    return lambda x, w, s, b: qm.qmatmul_tiled(x, w, s, b, bits=BITS, group_size=GROUP, block_sizes=bs,
+def gemv(bs):
+    return lambda x, w, s, b: qm.qmatmul_gemv(x, w, s, b, bits=BITS, group_size=GROUP, block_sizes=bs,
                                                interpret=INTERPRET)
 
 
 def check_reference(variant):
     for (n, k), m in zip([SHAPES["mlp gate/up"], SHAPES["mlp down"], SHAPES["attn k/v"]], (1, 13, 4), strict=True):
         mlx = mlx_weights(n, k, n + k)
-        kl = jax.jit(lambda w, s, b: quant.to_kernel_layout(w, s, b, BITS, GROUP))(*mlx)
-        bs = qm.TiledBlockSizes.for_weight(n, k, BITS, GROUP, **variant)
+        kl = jax.jit(lambda w, s, b: quant.to_gemv_layout(w, s, b, BITS, GROUP))(*mlx)
+        bs = qm.GemvBlockSizes.for_weight(n, k, BITS, GROUP, **variant)
         x = jax.random.normal(jax.random.key(m + n), (m, k), jnp.bfloat16)
-        y = jax.jit(tiled(bs))(x, *kl)
+        y = jax.jit(gemv(bs))(x, *kl)
         r = quant.qmatmul_reference(x, *mlx, BITS, GROUP)
         err = rel_err(y, r)
         ok = np.isfinite(np.asarray(y, np.float32)).all() and err < 1e-2
@@ -130,8 +128,8 @@ def check_reference(variant):
 def check_rows(variant, rows=16):
     n, k = SHAPES["mlp down"]
     mlx = mlx_weights(n, k, 7)
-    kl = jax.jit(lambda w, s, b: quant.to_kernel_layout(w, s, b, BITS, GROUP))(*mlx)
-    f = jax.jit(tiled(qm.TiledBlockSizes.for_weight(n, k, BITS, GROUP, **variant)))
+    kl = jax.jit(lambda w, s, b: quant.to_gemv_layout(w, s, b, BITS, GROUP))(*mlx)
+    f = jax.jit(gemv(qm.GemvBlockSizes.for_weight(n, k, BITS, GROUP, **variant)))
     x = jax.random.normal(jax.random.key(5), (rows, k), jnp.bfloat16)
     alone = np.stack([np.asarray(f(x[i : i + 1], *kl))[0] for i in range(rows)]).view(np.uint16)
     bad = []
@@ -149,28 +147,18 @@ def check_rows(variant, rows=16):
 def probe(name):
     """Compiles the kernel alone in modules named probe_NAME_mM (for XLA_FLAGS=--xla_dump_to: PTX to read)."""
     n, k = SHAPES["mlp gate/up"]
-    bs = qm.TiledBlockSizes.for_weight(n, k, BITS, GROUP, **VARIANTS[name])
+    bs = qm.GemvBlockSizes.for_weight(n, k, BITS, GROUP, **VARIANTS[name])
     w = jnp.zeros((k * BITS // 32, n), jnp.uint32)
     s = jnp.zeros((k // GROUP, n), jnp.bfloat16)
     for m in (1, 16):
-        f = tiled(bs)
+        f = gemv(bs)
         f.__name__ = f"probe_{name}_m{m}"
         jax.jit(f).lower(jnp.zeros((m, k), jnp.bfloat16), w, s, s).compile()
 
 
-def load_baseline(path):
-    """The old-layout kernel file, with its kernel_tile (8 * group) inlined (our quant's is one group)."""
-    src = open(path).read().replace("quant.kernel_tile(bits, group_size)", "((32 // bits) * group_size)")
-    spec = importlib.util.spec_from_loader("qmatmul_baseline", loader=None)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["qmatmul_baseline"] = mod
-    exec(compile(src, path, "exec"), mod.__dict__)
-    return mod
-
-
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--baseline", default=None)
+    ap.add_argument("--old", action="store_true", help="time qmatmul_tiled (the MMA kernel) beside it")
     ap.add_argument("--budget", type=float, default=225.0)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--variant", default="default", help="the table's variant when not sweeping")
@@ -208,10 +196,10 @@ def main():
                     n, k = SHAPES[shape]
                     if elapsed() > a.budget * 0.55 or totals.get(name) == math.inf:
                         break
-                    bs = qm.TiledBlockSizes.for_weight(n, k, BITS, GROUP, **kw)
+                    bs = qm.GemvBlockSizes.for_weight(n, k, BITS, GROUP, **kw)
                     x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
                     try:
-                        t = per_call(tiled(bs), x, sets[shape])
+                        t = per_call(gemv(bs), x, sets[shape])
                     except Exception as e:  # a variant Triton refuses is skipped, not fatal
                         print(f"  sweep {name} {shape} M={m}: failed {type(e).__name__}: {str(e)[:300]}", flush=True)
                         totals[name] = math.inf
@@ -230,21 +218,21 @@ def main():
         del sets
     LOG["variant"] = a.variant
 
-    old = load_baseline(a.baseline) if a.baseline else None
+    old = a.old
     for shape, (n, k) in SHAPES.items():
         if elapsed() > a.budget:
             break
         sets = sets_for(n, k, 2, "new")
         old_sets = sets_for(n, k, 3, "old") if old else None
-        bs = qm.TiledBlockSizes.for_weight(n, k, BITS, GROUP, **variant)
+        bs = qm.GemvBlockSizes.for_weight(n, k, BITS, GROUP, **variant)
         for m in MS:
             if elapsed() > a.budget:
                 break
             x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
-            t = per_call(tiled(bs), x, sets)
+            t = per_call(gemv(bs), x, sets)
             rec = dict(shape=shape, n=n, k=k, m=m, us=t * 1e6, frac=qbytes(m, n, k) / t / bw, bs=str(bs))
             if old and elapsed() < a.budget:
-                f = lambda x, w, s, b: old.qmatmul_tiled(x, w, s, b, bits=BITS, group_size=GROUP, interpret=INTERPRET)
+                f = lambda x, w, s, b: qm.qmatmul_tiled(x, w, s, b, bits=BITS, group_size=GROUP, interpret=INTERPRET)
                 rec["old_us"] = per_call(f, x, old_sets) * 1e6
             LOG["table"].append(rec)
             print(f"  {shape} {n}x{k} M={m}: {t * 1e6:.1f} us {rec['frac']:.1%} (old {rec.get('old_us', 0):.1f} us)"

@@ -27,6 +27,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from tfjax import quant
 
+_MAGIC = 0x4B000000  # float32 2^23: an integer below 2^23 OR-ed into its mantissa reads as 2^23 + integer
+
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
@@ -255,6 +257,10 @@ class TiledBlockSizes:
     num_stages: int = 3
     swap: bool = True  # the weight tile as the MMA's left operand (out.T = W @ x.T): measured 1.4-1.6x faster
     fold: bool = True  # dot with raw q, then scale and add bias * sum(x) per group
+    # q to float32 by OR-ing it into 2^23's mantissa and subtracting 2^23 (exact: the same values, so the
+    # same outputs) instead of I2F, which sm_90 runs at a quarter of the ALU rate (one per weight in the
+    # ptxas sm_90a SASS of the default config, Triton 3.6). Not yet timed on a GPU, hence off.
+    magic: bool = False
 
     @classmethod
     def for_weight(cls, n: int, k: int, bits: int = 4, group_size: int = 64, programs: int = 264,
@@ -269,7 +275,8 @@ class TiledBlockSizes:
         return cls(block_n=block_n, split_k=split, **kw)
 
 
-def _tiled_kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, m, bits, group_size, tiles_per_split, swap, fold):
+def _tiled_kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, m, bits, group_size, tiles_per_split, swap, fold,
+                  magic=False):
     # x_ref [block_m, K]; w_ref [block_n, K * bits // 32] uint32; s_ref, b_ref [K // group_size, block_n]
     block_m = x_ref.shape[0]
     block_n = w_ref.shape[0]
@@ -283,13 +290,17 @@ def _tiled_kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, m, bits, group_size, til
         words = w_ref[:, pl.ds(kt * group_size, group_size)]  # [bn, g] uint32
         for j in range(per_word):
             x = plgpu.load(x_ref.at[:, pl.ds(kt * tile + j * group_size, group_size)], mask=row_mask, other=0)
-            q = ((words >> jnp.uint32(bits * j)) & jnp.uint32((1 << bits) - 1)).astype(jnp.int32)  # [bn, g]
+            q = (words >> jnp.uint32(bits * j)) & jnp.uint32((1 << bits) - 1)  # [bn, g]
+            if magic:
+                q = lax.bitcast_convert_type(q | jnp.uint32(_MAGIC), jnp.float32) - jnp.float32(2.0**23)
+            else:
+                q = q.astype(jnp.int32).astype(jnp.float32)
             s = s_ref[kt * per_word + j, :].astype(jnp.float32)  # [bn]
             b = b_ref[kt * per_word + j, :].astype(jnp.float32)
             if fold:
-                w = q.astype(jnp.float32).astype(x.dtype)
+                w = q.astype(x.dtype)
             else:
-                w = (q.astype(jnp.float32) * s[:, None] + b[:, None]).astype(x.dtype)
+                w = (q * s[:, None] + b[:, None]).astype(x.dtype)
             if swap:  # [bn, bm]
                 d = lax.dot_general(w, x, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
                 if fold:
@@ -355,7 +366,7 @@ def qmatmul_tiled(
     split = bs.split_k
     tiles_per_split = k // quant.kernel_tile(bits, group_size) // split
     kernel = functools.partial(_tiled_kernel, m=m, bits=bits, group_size=group_size,
-                               tiles_per_split=tiles_per_split, swap=bs.swap, fold=bs.fold)
+                               tiles_per_split=tiles_per_split, swap=bs.swap, fold=bs.fold, magic=bs.magic)
     out_shape, out_spec = _split_output(m, n, x.dtype, bs)
     ng = k // group_size
     out = pl.pallas_call(
@@ -394,8 +405,6 @@ def reference_tiled(x, weight, scales, biases, *, bits: int = 4, group_size: int
 # dequantized weight is fma(q, s, b) as in the reference, in float32.
 # Row invariance: each row is its own chain of the same instructions; the group order, the K split and the
 # columns of a program come from the weight's shape only, never from M or the other rows.
-
-_MAGIC = 0x4B000000  # float32 2^23: an integer below 2^23 OR-ed into its mantissa reads as 2^23 + integer
 
 
 @dataclasses.dataclass(frozen=True)

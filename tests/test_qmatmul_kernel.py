@@ -171,6 +171,16 @@ def test_interpret_tiled_matches_reference(m, bits, group_size, swap, fold):
     assert y.shape == (m, 32) and _rel_err(y, r) < 1e-5
 
 
+@pytest.mark.parametrize("fold", [True, False])
+def test_interpret_tiled_magic_unpack_gives_the_same_bits(fold):
+    rng = np.random.default_rng(12)
+    _, tiled = _tiled(rng, 32, 1024, 4, 64, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((5, 1024)), jnp.float32)
+    a, b = (qm.qmatmul_tiled(x, *tiled, block_sizes=dataclasses.replace(TILED, fold=fold, magic=mg), interpret=True)
+            for mg in (False, True))
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_interpret_tiled_rows_bit_identical_whatever_m_and_neighbours():
     rng = np.random.default_rng(2)
     _, tiled = _tiled(rng, 32, 1024, 4, 64, jnp.float32)

@@ -418,8 +418,12 @@ class GemvBlockSizes:
     num_warps: int = 4
     num_stages: int = 2
     fold: bool = False  # dot each group with raw q, then s * dot + b * sum(x): no per-weight dequantize
-    x_f32: bool = False  # x cast to float32 before the kernel (elementwise: row-invariant), no casts inside
+    x_f32: bool = True  # x cast to float32 before the kernel (elementwise: row-invariant), no casts inside
     offset: bool = False  # with fold: keep the unpack's 2^23 in the dot, subtract 2^23 * sum(x) per field
+    # x one value at a time against a [bn] word row: no x tensors, no reductions. False is the form timed
+    # on the H200 (reductions over [wg, bn] tiles; ptxas: 168-255 registers, spills from 4 rows); True
+    # compiles (ptxas sm_90a) to 56-113 registers, no spills, no layout conversions: untimed yet.
+    x_scalar: bool = True
 
     @classmethod
     def for_weight(cls, n: int, k: int, bits: int = 4, group_size: int = 64, *, warps: int = 1056,
@@ -478,7 +482,7 @@ def _fields_offset(words, bits):
 
 
 def _gemv_kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, m, bits, group_size, steps, groups_per_step, fold,
-                  offset):
+                  offset, x_scalar=False):
     # x_ref [rows, K]; w_ref [K * bits // 32, block_n] uint32; s_ref, b_ref [K // group_size, block_n]
     # o_ref [rows, block_n]
     rows = x_ref.shape[0]
@@ -493,6 +497,29 @@ def _gemv_kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, m, bits, group_size, step
             return x_ref[r, pl.ds(start, wg)].astype(jnp.float32)
         mask = jnp.full((wg,), valid[r])
         return plgpu.load(x_ref.at[jnp.int32(r), pl.ds(start, wg)], mask=mask, other=0).astype(jnp.float32)
+
+    # A row past M (last program only) reads row M - 1 instead of a masked load: no predicates held across
+    # the loop; its output is not stored, and no row's arithmetic depends on another's.
+    last = m - 1 - pl.program_id(0) * rows
+    row_at = [r if not ragged else jnp.minimum(r, last) for r in range(rows)]
+
+    def load_x1(r, i):  # one x value, broadcast by the FMA (no tensor of x, so no layout to convert)
+        return x_ref[row_at[r], i].astype(jnp.float32)
+
+    def body_scalar(t, accs):
+        # One word row [bn] at a time: acc_r += (s * q + b) * x[r, k], a chain of FMAs per row, no reductions.
+        accs = list(accs)
+        for u in range(groups_per_step):
+            grp = first + t * groups_per_step + u
+            s = s_ref[grp, :].astype(jnp.float32)  # [bn]
+            b = b_ref[grp, :].astype(jnp.float32)
+            for wi in range(wg):
+                word = w_ref[grp * wg + wi, :]  # [bn] uint32
+                for j, (f, c) in enumerate(_fields(word, bits)):
+                    w = f * (s * c) + b  # [bn]
+                    for r in range(rows):
+                        accs[r] = accs[r] + w * load_x1(r, grp * group_size + j * wg + wi)
+        return tuple(accs)
 
     def body(t, accs):
         accs = list(accs)
@@ -526,7 +553,7 @@ def _gemv_kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, m, bits, group_size, step
         return tuple(accs)
 
     zero = jnp.zeros((block_n,), jnp.float32)
-    accs = lax.fori_loop(0, steps, body, tuple(zero for _ in range(rows)))
+    accs = lax.fori_loop(0, steps, body_scalar if x_scalar else body, tuple(zero for _ in range(rows)))
     for r in range(rows):
         if ragged:
             plgpu.store(o_ref.at[jnp.int32(r), :], accs[r].astype(o_ref.dtype), mask=jnp.full((block_n,), valid[r]))
@@ -553,6 +580,8 @@ def _check_gemv(x, weight, scales, biases, bits, group_size, bs: GemvBlockSizes)
         raise ValueError(f"block_m={bs.block_m} must be >= 1")
     if bs.offset and not bs.fold:
         raise ValueError("offset=True needs fold=True (the offset is removed per field with sum(x))")
+    if bs.x_scalar and bs.fold:
+        raise ValueError("fold=True needs x_scalar=False (the fold works on x tensors)")
     if n % bs.block_n:
         raise ValueError(f"N={n} must be a multiple of block_n={bs.block_n}")
     if k % (group_size * bs.split_k * bs.groups_per_step):
@@ -585,7 +614,8 @@ def qmatmul_gemv(
     split = bs.split_k
     steps = k // group_size // split // bs.groups_per_step
     kernel = functools.partial(_gemv_kernel, m=m, bits=bits, group_size=group_size, steps=steps,
-                               groups_per_step=bs.groups_per_step, fold=bs.fold, offset=bs.offset)
+                               groups_per_step=bs.groups_per_step, fold=bs.fold, offset=bs.offset,
+                               x_scalar=bs.x_scalar)
     out_shape, out_spec = _split_output(m, n, x.dtype, dataclasses.replace(bs, block_m=rows))
     out = pl.pallas_call(
         kernel,

@@ -32,22 +32,18 @@ SHAPES = {  # dense27, (N, K)
     "delta in qkv": (10240, 5120), "delta in z": (6144, 5120), "attn o": (5120, 6144), "attn k/v": (1024, 5120),
 }
 MS = (1, 4, 16, 64)
-VARIANTS = {  # name -> TiledBlockSizes.for_weight keywords, most telling first (the sweep may stop early)
-    "default": {},
-    "foldoff": dict(fold=True, offset=True),
-    "fast": dict(fold=True, offset=True, x_f32=True, cols=8),
-    "fastc4": dict(fold=True, offset=True, x_f32=True),
-    "fold": dict(fold=True),
+VARIANTS = {  # name -> GemvBlockSizes.for_weight keywords, most telling first (the sweep may stop early)
+    "default": {},  # x one value at a time, x cast to f32 outside, one group per step
+    "measured": dict(x_scalar=False, x_f32=False, groups_per_step=2),  # the form timed on 2026-12-02
     "cols8": dict(cols=8),
     "step2": dict(groups_per_step=2),
-    "stages3": dict(num_stages=3),
-    "stages1": dict(num_stages=1),
+    "rows4": dict(block_m=4),
     "warps2k": dict(warps=2112),
-    "fast_s3": dict(fold=True, offset=True, x_f32=True, cols=8, num_stages=3),
-    "fast_r16": dict(fold=True, offset=True, x_f32=True, cols=8, block_m=16),
-    "fast_step4": dict(fold=True, offset=True, x_f32=True, cols=8, groups_per_step=4),
-    "xf32": dict(x_f32=True),
-    "rows16": dict(block_m=16),
+    "xbf16": dict(x_f32=False),
+    "stages1": dict(num_stages=1),
+    "stages3": dict(num_stages=3),
+    "reduce": dict(x_scalar=False),
+    "fast": dict(x_scalar=False, fold=True, offset=True, cols=8),
     "partials5": dict(partials=0.05),
 }
 INTERPRET = False  # --smoke: tiny shapes in interpret mode, to check this script on a CPU

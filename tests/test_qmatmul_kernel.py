@@ -248,15 +248,16 @@ def test_field_unpack_is_exact_integers_times_a_power_of_two(bits):
         np.testing.assert_array_equal(np.asarray(f)[:, 0] * c, q[:, j].astype(np.float32))
 
 
-@pytest.mark.parametrize("m,bits,group_size,fold", [
-    (1, 4, 64, False), (17, 4, 32, False), (5, 4, 128, True), (3, 8, 64, False), (9, 8, 32, True),
+@pytest.mark.parametrize("m,bits,group_size,fold,x_scalar", [
+    (1, 4, 64, False, True), (17, 4, 32, False, True), (6, 8, 128, False, True), (9, 8, 32, False, True),
+    (1, 4, 64, False, False), (17, 4, 32, False, False), (5, 4, 128, True, False), (9, 8, 32, True, False),
 ])  # fmt: skip
-def test_interpret_gemv_matches_reference(m, bits, group_size, fold):
+def test_interpret_gemv_matches_reference(m, bits, group_size, fold, x_scalar):
     rng = np.random.default_rng(m + bits)
     k = 8 * group_size
     mlx, gemv = _gemv(rng, 32, k, bits, group_size, jnp.float32)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
-    bs = dataclasses.replace(GEMV, fold=fold)
+    bs = dataclasses.replace(GEMV, fold=fold, x_scalar=x_scalar)
     y = qm.qmatmul_gemv(x, *gemv, bits=bits, group_size=group_size, block_sizes=bs, interpret=True)
     r = qm.reference(x, *mlx, bits=bits, group_size=group_size)
     assert y.shape == (m, 32) and _rel_err(y, r) < 1e-5
@@ -278,7 +279,7 @@ def test_interpret_gemv_offset_fold_matches_reference(m, bits, group_size):
     k = 8 * group_size
     mlx, gemv = _gemv(rng, 32, k, bits, group_size, jnp.float32)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
-    bs = dataclasses.replace(GEMV, fold=True, offset=True, x_f32=True)
+    bs = dataclasses.replace(GEMV, fold=True, offset=True, x_f32=True, x_scalar=False)
     y = qm.qmatmul_gemv(x, *gemv, bits=bits, group_size=group_size, block_sizes=bs, interpret=True)
     assert _rel_err(y, qm.reference(x, *mlx, bits=bits, group_size=group_size)) < 2e-4  # ~8 bits of f32 lost
 
@@ -292,10 +293,12 @@ def test_interpret_gemv_default_block_sizes_match_reference_in_bf16(n):
     assert y.dtype == jnp.bfloat16 and _rel_err(y, qm.reference(x, *mlx)) < 1e-2
 
 
-def test_interpret_gemv_rows_bit_identical_whatever_m_and_neighbours():
+@pytest.mark.parametrize("x_scalar", [True, False])
+def test_interpret_gemv_rows_bit_identical_whatever_m_and_neighbours(x_scalar):
     rng = np.random.default_rng(2)
     _, gemv = _gemv(rng, 32, 1024, 4, 64, jnp.float32)
-    f = lambda x: np.asarray(qm.qmatmul_gemv(x, *gemv, block_sizes=GEMV, interpret=True))
+    bs = dataclasses.replace(GEMV, x_scalar=x_scalar)
+    f = lambda x: np.asarray(qm.qmatmul_gemv(x, *gemv, block_sizes=bs, interpret=True))
     x = jnp.asarray(rng.standard_normal((9, 1024)), jnp.float32)
     alone = np.stack([f(x[i : i + 1])[0] for i in range(9)])
     for m in (2, 3, 9):  # 9: two full 4-row programs and a ragged one
@@ -308,7 +311,8 @@ def test_interpret_gemv_rows_bit_identical_whatever_m_and_neighbours():
 def test_interpret_gemv_fold_rows_bit_identical_whatever_m():
     rng = np.random.default_rng(8)
     _, gemv = _gemv(rng, 32, 1024, 4, 64, jnp.float32)
-    for bs in (dataclasses.replace(GEMV, fold=True), dataclasses.replace(GEMV, fold=True, offset=True)):
+    for bs in (dataclasses.replace(GEMV, fold=True, x_scalar=False),
+               dataclasses.replace(GEMV, fold=True, offset=True, x_scalar=False)):
         f = lambda x, bs=bs: np.asarray(qm.qmatmul_gemv(x, *gemv, block_sizes=bs, interpret=True))
         x = jnp.asarray(rng.standard_normal((6, 1024)), jnp.float32)
         alone = np.stack([f(x[i : i + 1])[0] for i in range(6)])

@@ -447,13 +447,16 @@ class GemvBlockSizes:
 
 
 def _fields(words, bits):
-    """Each bit field of uint32 `words` as float32 ``q * 2^e`` (exact), with its ``2^-e``."""
-    half = 16 // bits  # fields in the low half word; the high half is shifted down once
-    mask = (1 << bits) - 1
-    hi = words >> jnp.uint32(16)
+    """Each bit field of uint32 `words` as float32 ``q * 2^e`` (exact), with its ``2^-e``.
+
+    Each half word is OR-ed into 2^23 once; a field is then one AND that keeps it and 2^23's exponent."""
+    half = 16 // bits  # fields per half word, each at bit bits * i < 16 of it
+    keep = 0xFF800000  # sign and exponent bits: 2^23 itself
+    lo = (words & jnp.uint32(0xFFFF)) | jnp.uint32(_MAGIC)
+    hi = (words >> jnp.uint32(16)) | jnp.uint32(_MAGIC)
     for j in range(32 // bits):
-        src, i = (words, j) if j < half else (hi, j - half)
-        magic = (src & jnp.uint32(mask << (bits * i))) | jnp.uint32(_MAGIC)
+        src, i = (lo, j) if j < half else (hi, j - half)
+        magic = src & jnp.uint32(keep | (((1 << bits) - 1) << (bits * i)))
         yield lax.bitcast_convert_type(magic, jnp.float32) - jnp.float32(2.0**23), 2.0 ** (-bits * i)
 
 

@@ -27,6 +27,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from tfjax import quant
 
+_MAGIC = 0x4B000000  # float32 2^23: an integer below 2^23 OR-ed into its mantissa reads as 2^23 + integer
+
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
@@ -255,6 +257,10 @@ class TiledBlockSizes:
     num_stages: int = 3
     swap: bool = True  # the weight tile as the MMA's left operand (out.T = W @ x.T): measured 1.4-1.6x faster
     fold: bool = True  # dot with raw q, then scale and add bias * sum(x) per group
+    # q to float32 by OR-ing it into 2^23's mantissa and subtracting 2^23 (exact: the same values, so the
+    # same outputs) instead of I2F, which sm_90 runs at a quarter of the ALU rate (one per weight in the
+    # ptxas sm_90a SASS of the default config, Triton 3.6). Not yet timed on a GPU, hence off.
+    magic: bool = False
 
     @classmethod
     def for_weight(cls, n: int, k: int, bits: int = 4, group_size: int = 64, programs: int = 264,
@@ -269,7 +275,8 @@ class TiledBlockSizes:
         return cls(block_n=block_n, split_k=split, **kw)
 
 
-def _tiled_kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, m, bits, group_size, tiles_per_split, swap, fold):
+def _tiled_kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, m, bits, group_size, tiles_per_split, swap, fold,
+                  magic=False):
     # x_ref [block_m, K]; w_ref [block_n, K * bits // 32] uint32; s_ref, b_ref [K // group_size, block_n]
     block_m = x_ref.shape[0]
     block_n = w_ref.shape[0]
@@ -283,13 +290,17 @@ def _tiled_kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, m, bits, group_size, til
         words = w_ref[:, pl.ds(kt * group_size, group_size)]  # [bn, g] uint32
         for j in range(per_word):
             x = plgpu.load(x_ref.at[:, pl.ds(kt * tile + j * group_size, group_size)], mask=row_mask, other=0)
-            q = ((words >> jnp.uint32(bits * j)) & jnp.uint32((1 << bits) - 1)).astype(jnp.int32)  # [bn, g]
+            q = (words >> jnp.uint32(bits * j)) & jnp.uint32((1 << bits) - 1)  # [bn, g]
+            if magic:
+                q = lax.bitcast_convert_type(q | jnp.uint32(_MAGIC), jnp.float32) - jnp.float32(2.0**23)
+            else:
+                q = q.astype(jnp.int32).astype(jnp.float32)
             s = s_ref[kt * per_word + j, :].astype(jnp.float32)  # [bn]
             b = b_ref[kt * per_word + j, :].astype(jnp.float32)
             if fold:
-                w = q.astype(jnp.float32).astype(x.dtype)
+                w = q.astype(x.dtype)
             else:
-                w = (q.astype(jnp.float32) * s[:, None] + b[:, None]).astype(x.dtype)
+                w = (q * s[:, None] + b[:, None]).astype(x.dtype)
             if swap:  # [bn, bm]
                 d = lax.dot_general(w, x, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
                 if fold:
@@ -355,7 +366,7 @@ def qmatmul_tiled(
     split = bs.split_k
     tiles_per_split = k // quant.kernel_tile(bits, group_size) // split
     kernel = functools.partial(_tiled_kernel, m=m, bits=bits, group_size=group_size,
-                               tiles_per_split=tiles_per_split, swap=bs.swap, fold=bs.fold)
+                               tiles_per_split=tiles_per_split, swap=bs.swap, fold=bs.fold, magic=bs.magic)
     out_shape, out_spec = _split_output(m, n, x.dtype, bs)
     ng = k // group_size
     out = pl.pallas_call(
@@ -379,4 +390,255 @@ def qmatmul_tiled(
 def reference_tiled(x, weight, scales, biases, *, bits: int = 4, group_size: int = 64) -> jax.Array:
     """Plain XLA for the kernel layout: back to MLX, dequantize, dot (f32 accumulation)."""
     w, s, b = quant.from_kernel_layout(weight, scales, biases, bits, group_size)
+    return quant.qmatmul_reference(x, w, s, b, bits, group_size)
+
+
+# --- The GEMV version (weights repacked once by `quant.to_gemv_layout`) ---
+# A GEMV on the CUDA cores, no MMA: decode and verify rows (M <= 64) are memory-bound, and an MMA would
+# pad M to 16 and need a register shuffle of every unpacked weight into its operand layout. The weight
+# is [K * bits // 32, N], N contiguous, so each thread loads 16-byte runs of 4 outputs and holds all of a
+# group's words for them: the dot over a group is a chain of FMAs inside the thread, and the only
+# cross-thread work is none (one program's columns are spread over its threads).
+# Unpack without int->float converts: OR a field, still in place, into the mantissa of 2^23 (0x4B000000)
+# and subtract 2^23, which gives q * 2^(bits * i) exactly for a field at bit bits * i < 16 (the high half
+# word is shifted down once for the other fields); the power of two goes into the scale (exact), so the
+# dequantized weight is fma(q, s, b) as in the reference, in float32.
+# Row invariance: each row is its own chain of the same instructions; the group order, the K split and the
+# columns of a program come from the weight's shape only, never from M or the other rows.
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvBlockSizes:
+    """Tile sizes of `qmatmul_gemv`; all but ``block_m`` depend only on the weight's shape (row invariance)."""
+
+    block_m: int = 8  # rows per program (fewer when M is smaller); each row is computed alone
+    block_n: int = 512  # columns per program: 4 per thread x 32 threads x num_warps keeps a group in-thread
+    split_k: int = 1  # programs along K; their f32 partials are summed in a fixed order
+    groups_per_step: int = 1  # groups per loop step (2: spills at >= 4 rows per program, ptxas sm_90a)
+    num_warps: int = 4
+    num_stages: int = 2
+    fold: bool = False  # dot each group with raw q, then s * dot + b * sum(x): no per-weight dequantize
+    x_f32: bool = True  # x cast to float32 before the kernel (elementwise: row-invariant), no casts inside
+    offset: bool = False  # with fold: keep the unpack's 2^23 in the dot, subtract 2^23 * sum(x) per field
+    # x one value at a time against a [bn] word row: no x tensors, no reductions. False is the form timed
+    # on the H200 (reductions over [wg, bn] tiles; ptxas: 168-255 registers, spills from 4 rows); True
+    # compiles (ptxas sm_90a) to 56-113 registers, no spills, no layout conversions: untimed yet.
+    x_scalar: bool = True
+
+    @classmethod
+    def for_weight(cls, n: int, k: int, bits: int = 4, group_size: int = 64, *, warps: int = 1056,
+                   partials: float = 0.1, cols: int = 4, **kw) -> GemvBlockSizes:
+        """From the weight's shape alone. Programs of `num_warps` warps with `cols` outputs per thread (fewer
+        warps where N needs it); K's groups split into the fewest parts giving >= `warps` warps in all (8 per
+        SM keeps enough loads in flight), while the f32 partials (8 bytes per output and part, per row) stay
+        under `partials` of the weight's bytes."""
+        groups = k // group_size
+        warps_per_program = kw.pop("num_warps", 4)
+        step = kw.pop("groups_per_step", 1)
+        nw, bn = next(((w, cols * 32 * w) for w in (warps_per_program, 4, 2, 1)
+                       if w <= warps_per_program and n % (cols * 32 * w) == 0),
+                      (warps_per_program, next((b for b in (64, 32, 16) if n % b == 0), 16)))
+        cap = max(1, int(partials * k * bits / 8 / 8))
+        splits = [s for s in range(1, groups + 1) if groups % s == 0 and s <= cap] or [1]
+        split = next((s for s in splits if (n // bn) * nw * s >= warps), splits[-1])
+        per_split = groups // split
+        step = next(t for t in (step, 4, 2, 1) if t <= step and per_split % t == 0)
+        return cls(block_n=bn, split_k=split, num_warps=nw, groups_per_step=step, **kw)
+
+
+def _fields(words, bits):
+    """Each bit field of uint32 `words` as float32 ``q * 2^e`` (exact), with its ``2^-e``.
+
+    Each half word is OR-ed into 2^23 once; a field is then one AND that keeps it and 2^23's exponent."""
+    half = 16 // bits  # fields per half word, each at bit bits * i < 16 of it
+    keep = 0xFF800000  # sign and exponent bits: 2^23 itself
+    lo = (words & jnp.uint32(0xFFFF)) | jnp.uint32(_MAGIC)
+    hi = (words >> jnp.uint32(16)) | jnp.uint32(_MAGIC)
+    for j in range(32 // bits):
+        src, i = (lo, j) if j < half else (hi, j - half)
+        magic = src & jnp.uint32(keep | (((1 << bits) - 1) << (bits * i)))
+        yield lax.bitcast_convert_type(magic, jnp.float32) - jnp.float32(2.0**23), 2.0 ** (-bits * i)
+
+
+def _offset_shifts(bits):
+    """Per field, the left shift (negative: right) that lands it at a bit p with 12 <= p <= 23 - bits."""
+    lo, hi = 12, 23 - bits
+    out, have = [], [0]
+    for j in range(32 // bits):
+        pos = bits * j
+        sh = next((h for h in have if lo <= pos + h <= hi), lo - pos)
+        have.append(sh)
+        out.append(sh)
+    return out
+
+
+def _fields_offset(words, bits):
+    """Each field as float32 ``2^23 + q * 2^e`` (the magic offset kept), with ``2^-e``; e >= 12 always, so
+    removing ``2^23 * sum(x)`` after a dot loses at most ~8 of float32's 24 bits (far under bf16)."""
+    derived = {}
+    for j, sh in enumerate(_offset_shifts(bits)):
+        if sh not in derived:
+            derived[sh] = words if sh == 0 else (words << jnp.uint32(sh) if sh > 0 else words >> jnp.uint32(-sh))
+        p = bits * j + sh
+        magic = (derived[sh] & jnp.uint32(((1 << bits) - 1) << p)) | jnp.uint32(_MAGIC)
+        yield lax.bitcast_convert_type(magic, jnp.float32), 2.0**-p
+
+
+def _gemv_kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, m, bits, group_size, steps, groups_per_step, fold,
+                  offset, x_scalar=False):
+    # x_ref [rows, K]; w_ref [K * bits // 32, block_n] uint32; s_ref, b_ref [K // group_size, block_n]
+    # o_ref [rows, block_n]
+    rows = x_ref.shape[0]
+    block_n = w_ref.shape[1]
+    wg = group_size * bits // 32  # words per group (and inputs per field of a group)
+    ragged = m % rows != 0  # only then can a program hold rows past M
+    valid = [pl.program_id(0) * rows + r < m for r in range(rows)]
+    first = pl.program_id(2) * steps * groups_per_step
+
+    def load_x(r, start):
+        if not ragged:
+            return x_ref[r, pl.ds(start, wg)].astype(jnp.float32)
+        mask = jnp.full((wg,), valid[r])
+        return plgpu.load(x_ref.at[jnp.int32(r), pl.ds(start, wg)], mask=mask, other=0).astype(jnp.float32)
+
+    # A row past M (last program only) reads row M - 1 instead of a masked load: no predicates held across
+    # the loop; its output is not stored, and no row's arithmetic depends on another's.
+    last = m - 1 - pl.program_id(0) * rows
+    row_at = [r if not ragged else jnp.minimum(r, last) for r in range(rows)]
+
+    def load_x1(r, i):  # one x value, broadcast by the FMA (no tensor of x, so no layout to convert)
+        return x_ref[row_at[r], i].astype(jnp.float32)
+
+    def body_scalar(t, accs):
+        # One word row [bn] at a time: acc_r += (s * q + b) * x[r, k], a chain of FMAs per row, no reductions.
+        accs = list(accs)
+        for u in range(groups_per_step):
+            grp = first + t * groups_per_step + u
+            s = s_ref[grp, :].astype(jnp.float32)  # [bn]
+            b = b_ref[grp, :].astype(jnp.float32)
+            for wi in range(wg):
+                word = w_ref[grp * wg + wi, :]  # [bn] uint32
+                for j, (f, c) in enumerate(_fields(word, bits)):
+                    w = f * (s * c) + b  # [bn]
+                    for r in range(rows):
+                        accs[r] = accs[r] + w * load_x1(r, grp * group_size + j * wg + wi)
+        return tuple(accs)
+
+    def body(t, accs):
+        accs = list(accs)
+        for u in range(groups_per_step):
+            grp = first + t * groups_per_step + u
+            words = w_ref[pl.ds(grp * wg, wg), :]  # [wg, bn]
+            s = s_ref[grp, :].astype(jnp.float32)  # [bn]
+            b = b_ref[grp, :].astype(jnp.float32)
+            if fold:  # per row: p = sum_j c_j * dot(f_j, x_j), xs = sum(x); acc += s * p + b * xs
+                part = [None] * rows
+                xsum = [None] * rows
+            fields = _fields_offset(words, bits) if offset else _fields(words, bits)
+            for j, (f, c) in enumerate(fields):
+                if not fold:
+                    w = f * (s * c)[None, :] + b[None, :]  # [wg, bn]: s * q + b, the reference's f32 value
+                for r in range(rows):
+                    x = load_x(r, grp * group_size + j * wg)  # [wg]
+                    if not fold:
+                        accs[r] = accs[r] + jnp.sum(w * x[:, None], axis=0)
+                        continue
+                    xs = jnp.sum(x)
+                    d = jnp.sum(f * x[:, None], axis=0)  # [bn]
+                    if offset:
+                        d = d - jnp.float32(2.0**23) * xs
+                    d = d * c  # exact power-of-2 rescale
+                    part[r] = d if j == 0 else part[r] + d
+                    xsum[r] = xs if j == 0 else xsum[r] + xs
+            if fold:
+                for r in range(rows):
+                    accs[r] = accs[r] + (part[r] * s + b * xsum[r])
+        return tuple(accs)
+
+    zero = jnp.zeros((block_n,), jnp.float32)
+    accs = lax.fori_loop(0, steps, body_scalar if x_scalar else body, tuple(zero for _ in range(rows)))
+    for r in range(rows):
+        if ragged:
+            plgpu.store(o_ref.at[jnp.int32(r), :], accs[r].astype(o_ref.dtype), mask=jnp.full((block_n,), valid[r]))
+        else:
+            o_ref[r, :] = accs[r].astype(o_ref.dtype)
+
+
+def _check_gemv(x, weight, scales, biases, bits, group_size, bs: GemvBlockSizes):
+    if bits not in quant.BITS or group_size not in quant.GROUP_SIZES:
+        raise ValueError(f"{bits=} / {group_size=} not supported; use {quant.BITS} / {quant.GROUP_SIZES}")
+    if x.ndim != 2 or weight.ndim != 2 or weight.dtype != jnp.uint32:
+        raise ValueError(f"want x [M, K] and uint32 weight [K*bits/32, N], got {x.shape=} {weight.shape=} {weight.dtype=}")
+    m, k = x.shape
+    kw, n = weight.shape
+    if kw * 32 // bits != k:
+        raise ValueError(f"{x.shape=} has K={k} but {weight.shape=} (GEMV layout: [K*bits/32, N]) holds K={kw * 32 // bits}")
+    want = (k // group_size, n)
+    if tuple(scales.shape) != want or tuple(biases.shape) != want:
+        raise ValueError(f"{scales.shape=} and {biases.shape=} must both be {want} (GEMV layout: transposed)")
+    v = bs.block_n
+    if v < 16 or v & (v - 1):
+        raise ValueError(f"block_n={v} must be a power of 2 >= 16")
+    if bs.block_m < 1:
+        raise ValueError(f"block_m={bs.block_m} must be >= 1")
+    if bs.offset and not bs.fold:
+        raise ValueError("offset=True needs fold=True (the offset is removed per field with sum(x))")
+    if bs.x_scalar and bs.fold:
+        raise ValueError("fold=True needs x_scalar=False (the fold works on x tensors)")
+    if n % bs.block_n:
+        raise ValueError(f"N={n} must be a multiple of block_n={bs.block_n}")
+    if k % (group_size * bs.split_k * bs.groups_per_step):
+        raise ValueError(f"K={k} must be a multiple of group_size*split_k*groups_per_step="
+                         f"{group_size}*{bs.split_k}*{bs.groups_per_step}")
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_sizes", "interpret"))
+def qmatmul_gemv(
+    x: jax.Array,
+    weight: jax.Array,
+    scales: jax.Array,
+    biases: jax.Array,
+    *,
+    bits: int = 4,
+    group_size: int = 64,
+    block_sizes: GemvBlockSizes | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """``x [..., K] @ W.T -> [..., N]`` for W in `quant.to_gemv_layout`'s layout; row-invariant."""
+    n = weight.shape[1]
+    k = x.shape[-1]
+    bs = block_sizes or GemvBlockSizes.for_weight(n, k, bits, group_size)
+    x2 = x.reshape(-1, k)
+    _check_gemv(x2, weight, scales, biases, bits, group_size, bs)
+    if bs.x_f32:
+        x2 = x2.astype(jnp.float32)
+    m = x2.shape[0]
+    rows = min(bs.block_m, m)  # one program's rows; each row's arithmetic is the same whatever this is
+    split = bs.split_k
+    steps = k // group_size // split // bs.groups_per_step
+    kernel = functools.partial(_gemv_kernel, m=m, bits=bits, group_size=group_size, steps=steps,
+                               groups_per_step=bs.groups_per_step, fold=bs.fold, offset=bs.offset,
+                               x_scalar=bs.x_scalar)
+    out_shape, out_spec = _split_output(m, n, x.dtype, dataclasses.replace(bs, block_m=rows))
+    out = pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(m, rows), n // bs.block_n, split),  # rows fastest: row blocks share a weight tile in L2
+        in_specs=[
+            pl.BlockSpec((rows, k), lambda i, j, s: (i, 0)),
+            pl.BlockSpec((weight.shape[0], bs.block_n), lambda i, j, s: (0, j)),
+            pl.BlockSpec((k // group_size, bs.block_n), lambda i, j, s: (0, j)),
+            pl.BlockSpec((k // group_size, bs.block_n), lambda i, j, s: (0, j)),
+        ],
+        out_specs=out_spec,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
+        interpret=interpret,
+        name="qmatmul_gemv",
+    )(x2, weight, scales, biases)
+    return _sum_splits(out, split, x.dtype).reshape(*x.shape[:-1], n)
+
+
+def reference_gemv(x, weight, scales, biases, *, bits: int = 4, group_size: int = 64) -> jax.Array:
+    """Plain XLA for the GEMV layout: back to MLX, dequantize, dot (f32 accumulation)."""
+    w, s, b = quant.from_gemv_layout(weight, scales, biases, bits, group_size)
     return quant.qmatmul_reference(x, w, s, b, bits, group_size)

@@ -160,3 +160,51 @@ def dequantize_kernel_layout(weight, scales, biases, bits: int = 4, group_size: 
     q = q.reshape(n, k // group_size, group_size).astype(xp.float32)
     w = q * scales.T.astype(xp.float32)[..., None] + biases.T.astype(xp.float32)[..., None]
     return w.reshape(n, k).astype(scales.dtype if dtype is None else dtype)
+
+
+# --- The GEMV layout: made once at load time, read by `pallas_kernels.qmatmul.qmatmul_gemv` ---
+# The packed weight is stored transposed, ``[K * bits // 32, N]``, so a GPU thread's 16-byte load holds
+# 4 neighbouring outputs and a whole group's words sit in one thread (its dot needs no cross-thread sum).
+# Within each group of ``g`` inputs (``wg = g * bits // 32`` words), word ``w`` holds in bit field ``j``
+# the input ``j * wg + w`` of the group, so field ``j`` of the group's words meets the contiguous x run
+# ``[j * wg, (j + 1) * wg)``. Scales and biases are stored transposed, ``[K // group_size, N]``. Same bytes
+# as MLX; K needs only to be a multiple of the group.
+
+
+def _group_fields(q, group_size, per_word):
+    """[N, K] ints in input order -> [N, K] in GEMV word order (word w, field j <- input j * wg + w)."""
+    n, k = q.shape
+    q = q.reshape(n, k // group_size, per_word, group_size // per_word)
+    return q.swapaxes(-1, -2).reshape(n, k)
+
+
+def _ungroup_fields(q, group_size, per_word):
+    """Inverse of ``_group_fields``."""
+    n, k = q.shape
+    q = q.reshape(n, k // group_size, group_size // per_word, per_word)
+    return q.swapaxes(-1, -2).reshape(n, k)
+
+
+def to_gemv_layout(weight, scales, biases, bits: int = 4, group_size: int = 64):
+    """MLX ``(weight [N, K*bits/32], scales, biases [N, K/g])`` -> GEMV layout (``[K*bits/32, N]``, ``[K/g, N]``)."""
+    _check_bits(bits)
+    _check_group(group_size)
+    xp = _xp(weight)
+    q = _group_fields(unpack(weight, bits), group_size, 32 // bits)
+    return pack(q, bits).T, xp.asarray(scales).T, xp.asarray(biases).T
+
+
+def from_gemv_layout(weight, scales, biases, bits: int = 4, group_size: int = 64):
+    """Inverse of ``to_gemv_layout``."""
+    q = _ungroup_fields(unpack(weight.T, bits), group_size, 32 // bits)
+    return pack(q, bits), scales.T, biases.T
+
+
+def dequantize_gemv_layout(weight, scales, biases, bits: int = 4, group_size: int = 64, dtype=None):
+    """``dequantize`` for weights in the GEMV layout: ``w [N, K]``."""
+    xp = _xp(weight)
+    q = _ungroup_fields(unpack(weight.T, bits), group_size, 32 // bits)
+    n, k = q.shape
+    q = q.reshape(n, k // group_size, group_size).astype(xp.float32)
+    w = q * scales.T.astype(xp.float32)[..., None] + biases.T.astype(xp.float32)[..., None]
+    return w.reshape(n, k).astype(scales.dtype if dtype is None else dtype)

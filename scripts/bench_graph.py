@@ -21,23 +21,11 @@ import sys
 import time
 
 import numpy as np
+from timing import median_time
 
 START, BUDGET = time.perf_counter(), float(os.environ.get("BENCH_BUDGET_S", "1e9"))  # sweeps stop past BUDGET
 ROWS = []  # markdown rows: (section, what, time, achieved, ceiling, fraction)
 RESULTS: dict = {}
-
-
-def _median(fn, args, reps):
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
 
 
 def per_call(op, sets, reps=20, extra=()):
@@ -45,7 +33,7 @@ def per_call(op, sets, reps=20, extra=()):
     import jax
 
     f = jax.jit(lambda sets, extra: [op(*s, *extra) for s in sets])
-    return _median(f, (sets, tuple(extra)), reps) / len(sets)
+    return median_time(f, (sets, tuple(extra)), reps) / len(sets)
 
 
 def row(section, what, seconds, achieved, ceiling, unit):
@@ -66,13 +54,13 @@ def base():
     import jax.numpy as jnp
 
     a = jax.random.normal(jax.random.key(0), (512 * 2**20,), jnp.float32)  # 2 GiB
-    t = _median(jax.jit(lambda a: a * 1.0001), (a,), 20)
+    t = median_time(jax.jit(lambda a: a * 1.0001), (a,), 20)
     bw = 2 * a.nbytes / t
     del a
     n = 8192
     x = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
     y = jax.random.normal(jax.random.key(2), (n, n), jnp.bfloat16)
-    tm = _median(jax.jit(lambda x, y: x @ y), (x, y), 10)
+    tm = median_time(jax.jit(lambda x, y: x @ y), (x, y), 10)
     RESULTS["copy_GBps"], RESULTS["bf16_TFLOPs"] = bw / 1e9, 2 * n**3 / tm / 1e12
     print(f"copy {bw / 1e9:.0f} GB/s, bf16 matmul {2 * n**3 / tm / 1e12:.0f} TFLOP/s", flush=True)
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from timing import median_time
 
 from pallas_kernels import qmatmul as qm
 
@@ -27,21 +27,10 @@ BITS, GROUP = 4, 64
 INTERPRET = False  # --smoke: tiny shapes in interpret mode, to check this script on a CPU
 
 
-def _median_time(fn, args, reps):
-    jax.block_until_ready(fn(*args))  # compile + warm-up
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
-
-
 def copy_bandwidth(reps=20, elems=512 * 2**20):
     a = jax.random.normal(jax.random.key(0), (elems,), jnp.float32)  # 2 GiB
     f = jax.jit(lambda a: a * 1.0001)
-    t = _median_time(f, (a,), reps)
+    t = median_time(f, (a,), reps)
     return 2 * a.nbytes / t
 
 
@@ -60,7 +49,7 @@ def weight_sets(n, k, count, key):
 def time_per_call(matmul, x, sets, reps):
     """One jitted program applies `matmul` to every weight set in turn; time / len(sets)."""
     f = jax.jit(lambda x, sets: [matmul(x, *s) for s in sets])
-    return _median_time(f, (x, sets), reps) / len(sets)
+    return median_time(f, (x, sets), reps) / len(sets)
 
 
 def kernel_fn(bs):

@@ -22,6 +22,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from timing import median_time
 
 from pallas_kernels import qmatmul as qm
 from tfjax import quant
@@ -53,17 +54,6 @@ LOG: dict = {"rows": [], "sweep": [], "table": []}
 
 def elapsed():
     return time.perf_counter() - T0
-
-
-def median_time(fn, args, reps=20):
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
 
 
 def per_call(op, x, sets):

@@ -47,8 +47,6 @@ class LLM:
         self.path = path
         # `model`: an already built (module, config) for this folder's tokenizer, e.g. random weights for timing
         self.model, self.config = model if model is not None else checkpoint.load(path, dtype=dtype, progress=True)
-        if ops.use_kernels():  # GPU: quantized linears in the kernel layout, repacked once here
-            use_kernel_layout(self.model)
         self.tokenizer = Tokenizer.from_dir(path)
         draft_model = None
         if drafter is not None:
@@ -59,8 +57,10 @@ class LLM:
                 draft_model = dflash2_checkpoint.load(draft_path, dtype=dtype, target=self.config)
             else:
                 draft_model, _ = checkpoint.load(draft_path, dtype=dtype, progress=True)
-            if ops.use_kernels():
-                use_kernel_layout(draft_model)
+        if ops.use_kernels():  # GPU: quantized linears (target and drafter) in the kernel layout, repacked once here
+            for m in (self.model, draft_model):
+                if m is not None:
+                    use_kernel_layout(m)
         self.lanes = LaneConfig(capacity=lanes, width=width, context=context)
         eos = tuple(self.tokenizer.eos_ids) or self.config.eos_token_id
         self.engine = Engine(self.model, self.lanes, drafter=draft_model, eos_ids=eos)

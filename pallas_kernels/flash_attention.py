@@ -54,11 +54,14 @@ def _flash_kernel(q_ref, pos_ref, k_ref, v_ref, o_ref, *, block_k, scale):
         k = k_ref[pl.ds(k0, block_k), :]
         v = v_ref[pl.ds(k0, block_k), :]
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)  # [bq, bk]
-        if masked:
-            keys = k0 + jnp.arange(block_k)
-            s = jnp.where(keys[None, :] <= pos[:, None], s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1) * qk_scale)  # m in scaled (base-2) units; qk_scale > 0
+        # The mask only selects: a visible score takes the same instructions in a masked tile as in a whole
+        # one, so a row's result never depends on which tiles its query block sees whole (chunk invariance).
+        seen = (k0 + jnp.arange(block_k))[None, :] <= pos[:, None] if masked else None
+        top = jnp.max(jnp.where(seen, s, -jnp.inf) if masked else s, axis=1)
+        m_new = jnp.maximum(m, top * qk_scale)  # m in scaled (base-2) units; qk_scale > 0
         p = jnp.exp2(s * qk_scale - m_new[:, None])  # one fused multiply-add per score
+        if masked:
+            p = jnp.where(seen, p, 0.0)
         alpha = jnp.exp2(m - m_new)
         pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         return acc * alpha[:, None] + pv, m_new, l * alpha + jnp.sum(p, axis=1)

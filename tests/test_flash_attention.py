@@ -57,14 +57,21 @@ def test_interpret_bf16_in_bf16_out():
     _check(_case(rng, 1, 40, 4, 2, 128, 96, jnp.bfloat16, [50]), fa.BlockSizes(32, 16), True, jnp.bfloat16)
 
 
-def test_interpret_chunks_equal_the_whole_prompt():
-    """A prompt fed in two chunks over the same keys gives the rows of the prompt fed at once."""
+def _chunks_vs_whole(t, cut, bs, interpret, dtype):
+    """Rows of a prompt fed in two chunks (cut anywhere) and fed at once."""
     rng = np.random.default_rng(9)
-    q, k, v, pos = _case(rng, 1, 48, 4, 2, 64, 48, jnp.float32, [0])
-    whole = fa.flash_attention(q, k, v, pos, block_sizes=SMALL, interpret=True)
-    first = fa.flash_attention(q[:, :20], k, v, pos[:, :20], block_sizes=SMALL, interpret=True)
-    second = fa.flash_attention(q[:, 20:], k, v, pos[:, 20:], block_sizes=SMALL, interpret=True)
-    np.testing.assert_allclose(np.concatenate([first, second], axis=1), whole, rtol=1e-5, atol=1e-5)
+    q, k, v, pos = _case(rng, 1, t, 4, 2, 64, t, dtype, [0])
+    whole = fa.flash_attention(q, k, v, pos, block_sizes=bs, interpret=interpret)
+    first = fa.flash_attention(q[:, :cut], k, v, pos[:, :cut], block_sizes=bs, interpret=interpret)
+    second = fa.flash_attention(q[:, cut:], k, v, pos[:, cut:], block_sizes=bs, interpret=interpret)
+    return np.concatenate([first, second], axis=1), np.asarray(whole)
+
+
+@pytest.mark.parametrize("cut", [16, 20, 33])
+def test_interpret_chunks_equal_the_whole_prompt_bit_for_bit(cut):
+    """A row's result never depends on which tiles its query block sees whole (where a chunk was cut)."""
+    chunked, whole = _chunks_vs_whole(48, cut, SMALL, True, jnp.float32)
+    np.testing.assert_array_equal(chunked, whole)
 
 
 def test_bad_shapes_raise_naming_the_value():
@@ -105,7 +112,7 @@ def test_gpu_gqa_head_dims_match_reference(e, h, g):
 
 
 def test_model_prompt_path_takes_flash_and_rows_take_paged(monkeypatch):
-    """With kernels on and TFJAX_FLASH=1, a prompt chunk goes to flash and lane-round rows to the paged kernel."""
+    """With kernels on, a prompt chunk goes to flash and lane-round rows to the paged kernel; TFJAX_FLASH=0 opts out."""
     from pallas_kernels import attention as pa
     from tfjax import ops
     from tfjax.models import layers
@@ -130,10 +137,19 @@ def test_model_prompt_path_takes_flash_and_rows_take_paged(monkeypatch):
     pos = jnp.asarray(31 + np.arange(20)[None], jnp.int32)
     want = layers.paged_attention(q, pages, pt, pos)  # the reference path (CPU)
     monkeypatch.setattr(ops, "_FORCE", "kernel")
-    assert rel_err(layers.paged_attention(q, pages, pt, pos), want) < 1e-5 and calls == ["paged"], "opt-in only"
+    monkeypatch.setenv("TFJAX_FLASH", "0")
+    assert rel_err(layers.paged_attention(q, pages, pt, pos), want) < 1e-5 and calls == ["paged"], "opted out"
     calls.clear()
-    monkeypatch.setenv("TFJAX_FLASH", "1")
+    monkeypatch.delenv("TFJAX_FLASH")
     got = layers.paged_attention(q, pages, pt, pos)
     got_rows = layers.paged_attention(q, pages, pt, pos, rows=True)
     assert calls == ["flash", "paged"]
     assert rel_err(got, want) < 1e-5 and rel_err(got_rows, want) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cut", [128, 200])
+def test_gpu_chunks_equal_the_whole_prompt_bit_for_bit(cut):
+    chunked, whole = _chunks_vs_whole(600, cut, None, False, jnp.bfloat16)
+    np.testing.assert_array_equal(chunked, whole)
+

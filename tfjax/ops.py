@@ -30,8 +30,8 @@ def use_kernels() -> bool:
 
 
 def flash_prompts() -> bool:
-    """Prompt chunks through the flash kernel on GPU (`TFJAX_FLASH=1`; off until timed on a GPU)."""
-    return os.environ.get("TFJAX_FLASH", "0") == "1"
+    """Prompt chunks through the flash kernel on GPU (default; `TFJAX_FLASH=0` keeps them on the paged kernel)."""
+    return os.environ.get("TFJAX_FLASH", "1") != "0"
 
 
 def set_kernels(mode: str) -> None:

@@ -1,6 +1,6 @@
 """Kernels and the decode graph on a GPU, each beside its roofline (issue 5 receipts).
 
-    PYTHONPATH=. python3 scripts/bench_graph.py [--sections base,qmatmul,attention,prompt,flash,decode,hf]
+    PYTHONPATH=. python3 scripts/bench_graph.py [--sections base,qmatmul,attention,delta,prompt,flash,decode,hf]
         [--sweep] [--out results.json]
 
 Ceilings measured in the same run: copy bandwidth (device-to-device, bytes read + written) and the bf16
@@ -272,6 +272,37 @@ def attention_section(sweep: bool):
                 bw / 1e9, "GB/s")
 
 
+# --- Gated DeltaNet recurrence (rounds) ---
+def delta_section():
+    """The Pallas recurrence against XLA's step at the dense27 DeltaNet shape, one layer's state per set."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import gated_delta as gdk
+    from tfjax.models import gated_delta
+
+    bw = RESULTS["copy_GBps"] * 1e9
+    hv, d = 48, 128
+    for lanes, t in ((1, 1), (1, 8), (4, 8)):
+        state_bytes = lanes * hv * d * d * 4
+        keys = jax.random.split(jax.random.key(lanes * 10 + t), 6)
+        sets = []
+        for i in range(max(2, min(48, math.ceil(512e6 / state_bytes)))):
+            st = jax.random.normal(jax.random.fold_in(keys[0], i), (lanes, hv, d, d), jnp.float32)
+            q, k, v = (jax.random.normal(kk, (lanes, t, hv, d), jnp.bfloat16) * (d**-0.5 if j < 2 else 1)
+                       for j, kk in enumerate(keys[1:4]))
+            g = -jnp.abs(jax.random.normal(keys[4], (lanes, t, hv))) * 0.5
+            beta = jax.nn.sigmoid(jax.random.normal(keys[5], (lanes, t, hv)))
+            sets.append((st, q, k, v, g, beta, jnp.full((lanes,), t, jnp.int32)))
+        err = max(rel_err(a, b) for a, b in zip(gdk.recurrent(*sets[0]), gdk.reference(*sets[0]), strict=True))
+        tk = per_call(gdk.recurrent, sets)
+        tr = per_call(gated_delta.recurrent_reference, sets)
+        moved = 2 * state_bytes + sum(a.nbytes for a in sets[0][1:6])
+        RESULTS.setdefault("delta", []).append(dict(lanes=lanes, t=t, us=tk * 1e6, xla_us=tr * 1e6, err=err))
+        row("delta", f"{lanes} lane(s) x {t} rows, 48 heads 128x128 (XLA {tr * 1e6:.0f} us; err {err:.0e})", tk,
+            moved / tk / 1e9, bw / 1e9, "GB/s")
+
+
 # --- prompt path ---
 def prompt_section():
     import jax
@@ -522,7 +553,7 @@ def main():
     print(jax.devices()[0].device_kind, jax.__version__, flush=True)
     RESULTS["device"] = jax.devices()[0].device_kind
     t0 = time.perf_counter()
-    for name in ("base", "qmatmul", "attention", "prompt", "flash", "decode"):
+    for name in ("base", "qmatmul", "attention", "delta", "prompt", "flash", "decode"):
         if name in sections or (name == "base" and len(sections) > 0):
             ts = time.perf_counter()
             try:
@@ -532,6 +563,8 @@ def main():
                     qmatmul_section(a.sweep)
                 elif name == "attention":
                     attention_section(a.sweep)
+                elif name == "delta":
+                    delta_section()
                 elif name == "prompt":
                     prompt_section()
                 elif name == "flash":

@@ -34,6 +34,11 @@ def flash_prompts() -> bool:
     return os.environ.get("TFJAX_FLASH", "1") != "0"
 
 
+def delta_kernel() -> bool:
+    """Gated DeltaNet rows through the Pallas recurrence on GPU (`TFJAX_DELTA_KERNEL=1`; opt-in until timed)."""
+    return use_kernels() and os.environ.get("TFJAX_DELTA_KERNEL", "0") == "1"
+
+
 def set_kernels(mode: str) -> None:
     """Force `kernel`, `reference` or `auto` dispatch (takes effect for new traces)."""
     global _FORCE

@@ -24,6 +24,22 @@ def step(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Arra
 
 def recurrent(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
               count: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """`step` over rows: the Pallas kernel where `ops.delta_kernel` says so, else `recurrent_reference`.
+
+    Rows at or past a lane's `count` leave its state alone; their outputs are not to be read.
+    """
+    from tfjax import ops
+
+    if ops.delta_kernel() and q.shape[-1] == k.shape[-1]:
+        from pallas_kernels import gated_delta as gdk
+
+        if gdk.supports(k.shape[-1], v.shape[-1]):
+            return gdk.recurrent(state, q, k, v, g, beta, count)
+    return recurrent_reference(state, q, k, v, g, beta, count)
+
+
+def recurrent_reference(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
+                        count: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Scan `step` over rows (axis 1 of q, k, v [B, T, Hv, D] and g, beta [B, T, Hv]).
 
     With `count` [B], only each lane's first count rows update the state (replay after acceptance).

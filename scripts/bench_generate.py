@@ -55,6 +55,8 @@ def main():
     ap.add_argument("--plain-twice", action="store_true", help="a second plain row: is plain decoding deterministic?")
     ap.add_argument("--random-weights", type=int, default=None, metavar="BITS",
                     help="random MLX BITS-bit weights of the folder's geometry (0: unquantized); plain rows only")
+    ap.add_argument("--cells", default="code edit,code new,chat", help="prompts to run, comma separated")
+    ap.add_argument("--sampling", default="greedy,sampled", help="greedy, sampled or both")
     args = ap.parse_args()
     kw = dict(lanes=1, width=args.width, context=args.context)
     if args.random_weights is not None:
@@ -70,8 +72,10 @@ def main():
     notes: list[str] = []
     print("| cell | mode | tok/s | tok/round | x plain | hash == plain |")
     print("|---|---|---|---|---|---|")
-    for name, prompt in (("code edit", CODE), ("code new", CODE_NEW), ("chat", CHAT)):
-        for sampling, params in (("greedy", {}), ("sampled", SAMPLED)):
+    cells = [c for c in (("code edit", CODE), ("code new", CODE_NEW), ("chat", CHAT)) if c[0] in args.cells.split(",")]
+    modes = [m for m in (("greedy", {}), ("sampled", SAMPLED)) if m[0] in args.sampling.split(",")]
+    for name, prompt in cells:
+        for sampling, params in modes:
             base_s, base = timed(engines["copies"], prompt, args.tokens, False, params)
             print(f"| {name}, {sampling} | plain | {base_s:.1f} | {base.tokens_per_round:.2f} | 1.00 | - |")
             runs = [] if args.random_weights is not None else [(m, llm, True) for m, llm in engines.items()]

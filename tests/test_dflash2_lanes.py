@@ -78,3 +78,32 @@ def test_drafter_context_after_rounds_equals_a_fresh_prefill_of_the_committed_to
         state.draft_cache, page_table=state.draft_cache.page_table[:1]))
     ref = drafter.block_hidden(target, pending, start, fresh)
     np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), rtol=2e-3, atol=2e-3)
+
+
+def test_a_round_whose_next_plan_is_a_copy_skips_the_block_and_stays_exact(target, drafter):
+    """When the lane's next round takes a root copy the block would go unused: it is not drafted (kept as
+    it was), it is drafted otherwise, and the tokens still equal plain decoding."""
+    from tfjax.lanes.copies import propose_copies
+
+    prompt = _repetitive_prompt(60)
+    engine = Engine(target, LANES, drafter=drafter, eos_ids=())
+    engine.runner.set_facts(dataclasses.replace(engine.runner.spec.facts, copy_match=1))  # copies land often
+    rid = engine.submit(Request(prompt, max_tokens=40))
+    engine.step()  # admission, prefill and the first block
+    skipped = drafted = 0
+    while rid not in engine.results:
+        before = np.asarray(engine.runner.state.block[0])
+        engine.step()
+        if rid in engine.results:
+            break
+        state = engine.runner.state
+        _, copied = propose_copies(state.history, state.length, engine.runner.spec.facts.copy_match, LANES.width - 1)
+        after = np.asarray(state.block[0])
+        if int(copied[0]) > 0:
+            np.testing.assert_array_equal(after, before)
+            skipped += 1
+        else:
+            drafted += int(not np.array_equal(after, before))
+    assert skipped > 0 and drafted > 0, (skipped, drafted)
+    plain = _run(target, [Request(prompt, max_tokens=40, draft=False)])[0]
+    assert engine.results[rid].token_ids == plain.token_ids

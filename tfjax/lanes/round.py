@@ -9,7 +9,8 @@ Per round, for each live lane with `length` tokens (its last one, the pending to
 4. roll back: KV simply keeps the committed length; DeltaNet state is replayed from the round's start
    over the committed rows only;
 5. draft next (block drafters): the verify pass also returns the target's tapped hidden states; the drafter
-   writes context K/V for the committed rows only and drafts the next block from the new pending token.
+   writes context K/V for the committed rows only and drafts the next block from the new pending token,
+   unless every live lane's next round takes a root copy (then the block would go unused).
 Shapes are fixed by the static `RoundSpec`, so plain and drafted lanes run the same arithmetic.
 """
 
@@ -175,11 +176,26 @@ def lane_round(target_def, target_params, drafter_def, drafter_params, state: La
         draft_cache = drafter.absorb(taps[0], start, committed, state.draft_cache)
         new_len = length + committed
         pend = history[lanes, jnp.maximum(new_len - 1, 0)]
-        block = drafter.propose(nnx.merge(target_def, target_params), pend,
-                                jnp.where(state.active, new_len - 1, context), draft_cache)
+        wanted = lanes_wanting_a_block(history, new_len, state.active & state.drafting, spec.facts.copy_match, n_prop)
+
+        def draft(_):
+            return drafter.propose(nnx.merge(target_def, target_params), pend,
+                                   jnp.where(state.active, new_len - 1, context), draft_cache)
+
+        block = jax.lax.cond(jnp.any(wanted), draft, lambda _: state.block, None)
     new = dataclasses.replace(state, history=history, length=length + committed, cache=cache,
                               draft_cache=draft_cache, draft_len=draft_len, block=block)
     return new, RoundOut(jnp.where(keep, chosen, -1), committed, count)
+
+
+def lanes_wanting_a_block(history: jax.Array, length: jax.Array, live: jax.Array, copy_match: int,
+                          n_prop: int) -> jax.Array:
+    """Live drafting lanes whose next round takes no root copy: a copy replaces the block, so when no lane
+    wants one the round skips the drafter's block forward (the context is absorbed every round regardless)."""
+    if copy_match <= 0 or n_prop <= 0:
+        return live
+    _, copied = propose_copies(history, length, copy_match, n_prop)
+    return live & (copied == 0)
 
 
 def _lane_cache(cache: Cache, lane: jax.Array) -> Cache:

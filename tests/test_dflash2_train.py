@@ -55,3 +55,32 @@ def test_the_exported_trained_drafter_raises_accepted_length_and_stays_exact(tra
     assert [r.token_ids for r in results] == outputs[:4]
     mean = float(np.mean([r.tokens_per_round for r in results]))
     assert mean > 1.5, f"mean accepted tokens per round {mean:.2f}"
+
+
+def test_held_out_prompts_are_never_trained_on():
+    """train_drafter's held-out loss is over prompts whose answers (every sample of them) are not trained on."""
+    from scripts.train_drafter import split_by_prompt
+
+    held, trained = split_by_prompt(sequences=6 * 40, prompts=40, held_prompts=4, seed=0)
+    assert len(held) == 6 * 4 and len(trained) == 6 * 36
+    assert sorted(np.concatenate([held, trained]).tolist()) == list(range(240))
+    assert not set(held % 40) & set(trained % 40)
+    with pytest.raises(ValueError, match="held-prompts"):
+        split_by_prompt(sequences=10, prompts=5, held_prompts=5, seed=0)
+
+
+def test_drafter_training_prompts_are_not_benchmark_prompts():
+    """The built-in distillation prompts never begin like a prompt the benchmarks measure the drafter on."""
+    import re
+
+    import scripts.bench_concurrent as conc
+    import scripts.bench_generate as gen
+    import scripts.train_drafter as td
+
+    def opening(text: str) -> tuple[str, ...]:
+        return tuple(re.findall(r"\w+|[^\w\s]", text.lower())[:6])
+
+    bench = {opening(p) for p in [gen.CODE, gen.CODE_NEW, gen.CHAT[0]["content"], *conc.CODE, *conc.CHAT]}
+    training = td.CODE + td.EDIT_PROMPTS + td.CHAT
+    assert len(set(training)) == len(training) >= 80
+    assert not bench & {opening(p) for p in training}

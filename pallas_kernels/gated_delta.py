@@ -4,10 +4,11 @@ Shapes: ``state [B, Hv, Dk, Dv]`` f32, ``q, k [B, T, Hv, Dk]``, ``v [B, T, Hv, D
 ``count [B]`` (rows that update each lane's state; replay after acceptance). One step per row, as
 `tfjax.models.gated_delta.step`: S <- S * exp(g); S <- S + k (x) beta * (v - k.S); o = q.S.
 
-Grid: (value head, lane). A program keeps its [Dk, Dv] state in registers for all T rows, so the state is
-read and written once per call, where XLA's step reads it four times a row. Row invariance: rows run one
-after another through the same loop body, so a row's result never depends on how many rows share the
-call; the loop runs `count` trips (rows past it are zeros).
+Grid: (value head, value block, lane). The columns of S evolve independently (column j only needs k, beta,
+g and v_j), so a program keeps a [Dk, block_v] slice of one head's state in registers for all T rows: the
+state is read and written once per call, where XLA's step reads it about four times a row and writes it
+twice. Row invariance: rows run one after another through the same loop body, so a row's result never
+depends on how many rows share the call; the loop runs `count` trips (rows past it are zeros).
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from jax.experimental.pallas import triton as plgpu
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """A program holds one head's whole [Dk, Dv] state: only the warps and pipelining are free."""
+    """A program holds a [Dk, block_v] slice of one head's state; block_v is fixed per shape (row invariance)."""
 
-    num_warps: int = 8  # 128 x 128 f32 state: 64 registers a thread for it at 8 warps
+    block_v: int = 32  # 128 x 32 f32: 32 registers a thread at 4 warps; dense27, 1 lane: 48 x 4 programs
+    num_warps: int = 4
     num_stages: int = 1
 
 
@@ -36,7 +38,7 @@ def supports(dk: int, dv: int) -> bool:
 
 
 def _recurrent_kernel(count_ref, s_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s_out, o_ref, *, rows):
-    # count_ref [1] i32; s_ref [Dk, Dv] f32; q_ref, k_ref [T, Dk]; v_ref [T, Dv]; g_ref, b_ref [T]
+    # count_ref [1] i32; s_ref [Dk, bv] f32; q_ref, k_ref [T, Dk]; v_ref [T, bv]; g_ref, b_ref [T]
     count = jnp.minimum(count_ref[0], rows)
 
     def body(i, s):
@@ -73,6 +75,11 @@ def _check(state, q, k, v, g, beta, count):
         raise ValueError(f"head dims {dk=} {dv=} must be powers of 2 in 16..256")
 
 
+def _check_blocks(bs: BlockSizes):
+    if bs.block_v < 16 or bs.block_v & (bs.block_v - 1):
+        raise ValueError(f"block_v={bs.block_v} must be a power of 2 >= 16")
+
+
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
 def recurrent(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
               count: jax.Array | None = None, *, block_sizes: BlockSizes | None = None,
@@ -80,28 +87,30 @@ def recurrent(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax
     """(new state [B, Hv, Dk, Dv] f32, out [B, T, Hv, Dv] f32); with `count`, each lane's first count rows."""
     _check(state, q, k, v, g, beta, count)
     bs = block_sizes or BlockSizes()
+    _check_blocks(bs)
     b, hv, dk, dv = state.shape
     t = q.shape[1]
     rows = max(1, 1 << (t - 1).bit_length())  # a power of two; padded rows sit past every count
+    bv = min(bs.block_v, dv)
     n = jnp.full((b,), t, jnp.int32) if count is None else jnp.minimum(count.astype(jnp.int32), t)
     if rows != t:
         q, k, v = (jnp.pad(a, ((0, 0), (0, rows - t), (0, 0), (0, 0))) for a in (q, k, v))
         g, beta = (jnp.pad(a, ((0, 0), (0, rows - t), (0, 0))) for a in (g, beta))
     new_state, out = pl.pallas_call(
         functools.partial(_recurrent_kernel, rows=rows),
-        grid=(hv, b),
+        grid=(hv, dv // bv, b),
         in_specs=[
-            pl.BlockSpec((None, 1), lambda h, n: (n, 0)),
-            pl.BlockSpec((None, None, dk, dv), lambda h, n: (n, h, 0, 0)),
-            pl.BlockSpec((None, rows, None, dk), lambda h, n: (n, 0, h, 0)),
-            pl.BlockSpec((None, rows, None, dk), lambda h, n: (n, 0, h, 0)),
-            pl.BlockSpec((None, rows, None, dv), lambda h, n: (n, 0, h, 0)),
-            pl.BlockSpec((None, rows, None), lambda h, n: (n, 0, h)),
-            pl.BlockSpec((None, rows, None), lambda h, n: (n, 0, h)),
+            pl.BlockSpec((None, 1), lambda h, j, n: (n, 0)),
+            pl.BlockSpec((None, None, dk, bv), lambda h, j, n: (n, h, 0, j)),
+            pl.BlockSpec((None, rows, None, dk), lambda h, j, n: (n, 0, h, 0)),
+            pl.BlockSpec((None, rows, None, dk), lambda h, j, n: (n, 0, h, 0)),
+            pl.BlockSpec((None, rows, None, bv), lambda h, j, n: (n, 0, h, j)),
+            pl.BlockSpec((None, rows, None), lambda h, j, n: (n, 0, h)),
+            pl.BlockSpec((None, rows, None), lambda h, j, n: (n, 0, h)),
         ],
         out_specs=[
-            pl.BlockSpec((None, None, dk, dv), lambda h, n: (n, h, 0, 0)),
-            pl.BlockSpec((None, rows, None, dv), lambda h, n: (n, 0, h, 0)),
+            pl.BlockSpec((None, None, dk, bv), lambda h, j, n: (n, h, 0, j)),
+            pl.BlockSpec((None, rows, None, bv), lambda h, j, n: (n, 0, h, j)),
         ],
         out_shape=[jax.ShapeDtypeStruct(state.shape, jnp.float32),
                    jax.ShapeDtypeStruct((b, rows, hv, dv), jnp.float32)],

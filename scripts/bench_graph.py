@@ -294,6 +294,11 @@ def delta_section():
             g = -jnp.abs(jax.random.normal(keys[4], (lanes, t, hv))) * 0.5
             beta = jax.nn.sigmoid(jax.random.normal(keys[5], (lanes, t, hv)))
             sets.append((st, q, k, v, g, beta, jnp.full((lanes,), t, jnp.int32)))
+        if (lanes, t) == (1, 8):  # a small sweep of the free block sizes first
+            for bs in (gdk.BlockSizes(16, 4), gdk.BlockSizes(32, 4), gdk.BlockSizes(64, 4), gdk.BlockSizes(64, 8),
+                       gdk.BlockSizes(128, 8)):
+                ts = per_call(lambda *a, bs=bs: gdk.recurrent(*a, block_sizes=bs), sets)
+                print(f"  delta sweep {bs}: {ts * 1e6:.1f} us", flush=True)
         err = max(rel_err(a, b) for a, b in zip(gdk.recurrent(*sets[0]), gdk.reference(*sets[0]), strict=True))
         tk = per_call(gdk.recurrent, sets)
         tr = per_call(gated_delta.recurrent_reference, sets)

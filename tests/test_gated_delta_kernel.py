@@ -76,6 +76,8 @@ def test_bad_shapes_raise_naming_the_value():
         gdk.recurrent(state, q, k, v[..., :8], g, beta, interpret=True)
     with pytest.raises(ValueError, match="count.shape"):
         gdk.recurrent(state, q, k, v, g, beta, jnp.zeros((3,), jnp.int32), interpret=True)
+    with pytest.raises(ValueError, match="block_v=24"):
+        gdk.recurrent(state, q, k, v, g, beta, block_sizes=gdk.BlockSizes(block_v=24), interpret=True)
     with pytest.raises(ValueError, match="powers of 2"):
         gdk.recurrent(state[..., :12], q, k, v[..., :12], g, beta, interpret=True)
 

@@ -1,0 +1,80 @@
+"""Where a lane round's time goes: device kernels per round, from a JAX profiler trace of real decoding.
+
+  PYTHONPATH=. python3 scripts/profile_round.py --model /root/smollm2 --tokens 64
+  PYTHONPATH=. python3 scripts/profile_round.py --model /root/smollm2 --drafter DIR --tokens 64
+
+Decodes one request (one lane, `ignore_eos`) under `jax.profiler.trace`, then reads the Perfetto trace and
+prints the device kernels by time per round: how many launches a round makes, how long the device is busy
+against the round's wall time (a launch-bound round is mostly idle device), and which kernels dominate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+PROMPT = ("Original:\ndef scale(values, k):\n    out = []\n    for v in values:\n        out.append(v * k)\n"
+          "    return out\n\nThe same function with `out` renamed to `scaled`:\ndef scale(values, k):\n")
+
+
+def device_events(trace: dict) -> list[dict]:
+    """Complete events ("X") on device tracks: GPU streams where there are any, else the host's XLA ops."""
+    names = {e["pid"]: e["args"]["name"] for e in trace.get("traceEvents", [])
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu = {pid for pid, n in names.items() if "GPU" in n or "gpu" in n}
+    host = {pid for pid, n in names.items() if "host" in n.lower()}
+    pids = gpu or host
+    return [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("pid") in pids and "dur" in e]
+
+
+def summarize(events: list[dict], rounds: float, wall_s: float, top: int = 25) -> str:
+    """A table of kernels by total time: launches and microseconds per round."""
+    total = defaultdict(float)
+    count = defaultdict(int)
+    for e in events:
+        total[e["name"]] += float(e["dur"])
+        count[e["name"]] += 1
+    busy = sum(total.values())
+    lines = [f"{rounds:.0f} rounds, {wall_s / rounds * 1e3:.2f} ms wall a round; device busy "
+             f"{busy / rounds / 1e3:.2f} ms a round ({busy / 1e6 / wall_s:.0%}); {sum(count.values()) / rounds:.0f} "
+             f"kernels a round", "| kernel | per round | us per round | share |", "|---|---|---|---|"]
+    for name, us in sorted(total.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"| {name[:90]} | {count[name] / rounds:.1f} | {us / rounds:.1f} | {us / busy:.1%} |")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--drafter", default=None)
+    ap.add_argument("--copy-match", type=int, default=5, help="0: no root copies")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--out", default="/tmp/tfjax-profile")
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args()
+    import jax
+
+    from tfjax import api
+
+    kw = dict(lanes=1, drafter=args.drafter)
+    llm = api.load(args.model, **(kw | ({"copy_match": args.copy_match} if args.copy_match else {"copies": False})))
+    llm.generate(PROMPT, max_tokens=8, ignore_eos=True)  # compile outside the trace
+    out = Path(args.out)
+    with jax.profiler.trace(str(out), create_perfetto_trace=True):
+        t = time.perf_counter()
+        gen = llm.generate(PROMPT, max_tokens=args.tokens, ignore_eos=True)
+        wall = time.perf_counter() - t
+    rounds = len(gen.token_ids) / gen.tokens_per_round
+    path = max(out.rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    trace = json.loads(gzip.decompress(path.read_bytes()))
+    print(f"{args.model} on {jax.devices()[0].device_kind}; drafter {args.drafter}; copy_match {args.copy_match}; "
+          f"{len(gen.token_ids)} tokens, {gen.tokens_per_round:.2f} a round; trace {path}")
+    print(summarize(device_events(trace), rounds, wall, args.top))
+
+
+if __name__ == "__main__":
+    main()

@@ -171,17 +171,40 @@ def test_a_failing_round_ends_live_requests_with_an_error_and_the_engine_recover
     engine = Engine(target, LANES, eos_ids=())
     prompt = _repetitive_prompt(70)
     expected = engine.run([Request(prompt, max_tokens=8)])[0].token_ids
-    real_round = engine.runner.round
+    real_dispatch, real_collect = engine.runner.dispatch, engine.runner.collect
 
-    def broken_round():
+    def broken_dispatch():
         engine.runner.state.cache = None  # as if donated buffers were lost mid-call
         raise RuntimeError("device call failed")
 
-    engine.runner.round = broken_round
-    failed = engine.run([Request(prompt, max_tokens=8)])[0]
-    assert failed.finish_reason == "error" and "device call failed" in failed.error
-    engine.runner.round = real_round
-    assert engine.run([Request(prompt, max_tokens=8)])[0].token_ids == expected
+    def broken_collect(out):
+        raise RuntimeError("round failed on the device")
+
+    for attr, broken, message in [("dispatch", broken_dispatch, "device call failed"),
+                                  ("collect", broken_collect, "round failed on the device")]:
+        setattr(engine.runner, attr, broken)
+        failed = engine.run([Request(prompt, max_tokens=8)])[0]
+        assert failed.finish_reason == "error" and message in failed.error
+        engine.runner.dispatch, engine.runner.collect = real_dispatch, real_collect
+        assert engine.run([Request(prompt, max_tokens=8)])[0].token_ids == expected
+
+
+def test_the_next_round_is_dispatched_before_the_last_one_is_read(target):
+    """One round in flight: each step enqueues a round, then reads the one before, and the tokens are unchanged."""
+    prompt = _repetitive_prompt(75)
+    expected = _run(target, [Request(prompt, max_tokens=10)])[0]
+    engine = Engine(target, LANES, eos_ids=())
+    calls = []
+    dispatch, collect = engine.runner.dispatch, engine.runner.collect
+    engine.runner.dispatch = lambda: calls.append("dispatch") or dispatch()
+    engine.runner.collect = lambda out: calls.append("collect") or collect(out)
+    got = engine.run([Request(prompt, max_tokens=10)])[0]
+    assert got.token_ids == expected.token_ids and got.rounds == expected.rounds
+    assert calls[:4] == ["dispatch", "dispatch", "collect", "dispatch"]
+    assert calls.count("dispatch") == calls.count("collect") + 1  # the last round's lane had already finished
+    assert engine.busy, "the round in flight is still to be read"
+    engine.step()
+    assert not engine.busy
 
 
 def test_a_finished_sampled_request_leaves_its_lane_greedy(target):

@@ -1,6 +1,10 @@
 """The engine: `step()` admits waiting requests, runs one lane round, and hands tokens to requests.
 
 Every generated token after the first comes out of `lane_round`; the first is the prompt's own sample.
+One round stays in flight: a step dispatches the next round before it reads the previous one's tokens, so
+the host's work (reading tokens, stop checks, callbacks, the next dispatch) overlaps the device's. A lane
+whose request ended in the round being read runs one more round whose tokens nobody reads; its pages go
+back to the pool only after that round in device order, so it cannot touch another request's tokens.
 A request that fails (its prefill, its callbacks, its stop check) ends alone with finish_reason "error";
 lanes are independent rows of the round, so the others' tokens are untouched. A failing round fails
 every live request and rebuilds the lane state, since its donated buffers may be gone.
@@ -52,6 +56,7 @@ class Engine:
         self.results: dict[int, Result] = {}
         self.lock = threading.Lock()
         self.rounds = 0
+        self._inflight = None  # (RoundOut, {lane: request id}) of the round dispatched but not yet read
 
     def submit(self, request: Request) -> int:
         with self.lock:
@@ -71,7 +76,7 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running)
+        return bool(self.scheduler.waiting or self.scheduler.running or self._inflight is not None)
 
     def _sampling(self, req: Request) -> sampling.SamplingParams:
         seed = sampling.default_seed(req.prompt) if req.seed is None else req.seed
@@ -114,6 +119,7 @@ class Engine:
     def _reset(self, error: Exception) -> None:
         """Rebuild the lane state after a failed device call; every live request ends with an error."""
         log.error("lane state rebuilt after %r", error)
+        self._inflight = None  # computed from the lost state
         self.runner.reset()
         for lane in list(self.scheduler.running):
             slot = self.scheduler.running[lane]
@@ -141,26 +147,39 @@ class Engine:
                     continue
                 if self.scheduler.running[lane].finish_reason:
                     self._finish(lane)
-            if not self.scheduler.running:
-                return
-            try:
-                tokens, count, proposed = self.runner.round()
-            except Exception as e:
-                self._reset(e)
-                return
-            self.rounds += 1
-            for lane in list(self.scheduler.running):
-                slot = self.scheduler.running[lane]
-                n = int(count[lane])
+            live = {lane: slot.request.id for lane, slot in self.scheduler.running.items()}
+            dispatched = None
+            if live:
                 try:
-                    kept = self.scheduler.take(lane, [int(t) for t in tokens[lane, :n]], self.eos_ids,
-                                               int(proposed[lane]))
-                    self._deliver(slot, kept)
+                    dispatched = (self.runner.dispatch(), live)
                 except Exception as e:
-                    self._fail(lane, e)
-                    continue
-                if slot.finish_reason:
-                    self._finish(lane)
+                    self._reset(e)
+                    return
+            previous, self._inflight = self._inflight, dispatched
+            if previous is not None:
+                self._read(*previous)
+
+    def _read(self, out, live: dict[int, int]) -> None:
+        """Hand a dispatched round's tokens to the requests that were live in it and still are."""
+        try:
+            tokens, count, proposed = self.runner.collect(out)
+        except Exception as e:  # the round failed on the device
+            self._reset(e)
+            return
+        self.rounds += 1
+        for lane, request_id in live.items():
+            slot = self.scheduler.running.get(lane)
+            if slot is None or slot.request.id != request_id:  # ended (or replaced) since the dispatch
+                continue
+            n = int(count[lane])
+            try:
+                kept = self.scheduler.take(lane, [int(t) for t in tokens[lane, :n]], self.eos_ids, int(proposed[lane]))
+                self._deliver(slot, kept)
+            except Exception as e:
+                self._fail(lane, e)
+                continue
+            if slot.finish_reason:
+                self._finish(lane)
 
     def run(self, requests: list[Request]) -> list[Result]:
         """Submit requests and step until all of them are done (the synchronous API)."""

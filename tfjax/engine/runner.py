@@ -101,12 +101,21 @@ class Runner:
                 jnp.int32(lane), jnp.asarray(tokens), jnp.int32(s), jnp.int32(len(piece)))
         return logits
 
-    def round(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """One lane round: committed tokens [L, W], counts [L], proposals offered [L] (host arrays)."""
+    def dispatch(self) -> lane_round_mod.RoundOut:
+        """Enqueue one lane round (asynchronous); the lane state moves on, its output stays on the device."""
         self.state, out = lane_round_mod.lane_round(self.target_def, self.target_params, self.drafter_def,
                                                     self.drafter_params, self.state, self.spec)
+        return out
+
+    @staticmethod
+    def collect(out: lane_round_mod.RoundOut) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A dispatched round's committed tokens [L, W], counts [L], proposals offered [L] (waits for it)."""
         tokens, count, proposed = jax.device_get((out.tokens, out.count, out.proposed))
         return tokens, count, proposed
+
+    def round(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One lane round, dispatched and collected."""
+        return self.collect(self.dispatch())
 
     def release(self, lane: int) -> None:
         self.state = lane_round_mod.release(self.state, jnp.int32(lane))

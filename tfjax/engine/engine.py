@@ -3,8 +3,9 @@
 Every generated token after the first comes out of `lane_round`; the first is the prompt's own sample.
 One round stays in flight: a step dispatches the next round before it reads the previous one's tokens, so
 the host's work (reading tokens, stop checks, callbacks, the next dispatch) overlaps the device's. A lane
-whose request ended in the round being read runs one more round whose tokens nobody reads; its pages go
-back to the pool only after that round in device order, so it cannot touch another request's tokens.
+whose request ended in the round being read runs one more round whose tokens nobody reads; its pages may go
+to a new request at once, but every later use of them consumes the cache that round returns, so its writes
+come first in device order and never touch another request's tokens.
 A request that fails (its prefill, its callbacks, its stop check) ends alone with finish_reason "error";
 lanes are independent rows of the round, so the others' tokens are untouched. A failing round fails
 every live request and rebuilds the lane state, since its donated buffers may be gone.

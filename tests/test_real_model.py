@@ -63,3 +63,22 @@ def test_stop_strings_cut_the_reply(llm):
 def test_unknown_model_name_is_a_clear_error():
     with pytest.raises(FileNotFoundError, match="neither a checkpoint folder nor a packaged model"):
         api.resolve("no-such-model")
+
+
+# On the GPU (`TFJAX_GPU_MODEL=/root/smollm2 pytest -m gpu tests/test_real_model.py`, docs/device.md stages it):
+# the Pallas kernels and the jnp reference path agree on a real model's greedy tokens. Different summation
+# orders, so this holds where the model's top logits are clear, as on a real model's fixed prompt.
+@pytest.mark.gpu
+def test_gpu_kernels_give_the_reference_paths_tokens_on_a_real_model():
+    import os
+
+    from tfjax import ops
+
+    path = os.environ.get("TFJAX_GPU_MODEL") or pytest.fail("set TFJAX_GPU_MODEL to a staged model folder")
+    kernels = api.load(path, lanes=1, copies=False).generate(CODE_EDIT, max_tokens=32, ignore_eos=True)
+    ops.set_kernels("reference")
+    try:
+        reference = api.load(path, lanes=1, copies=False).generate(CODE_EDIT, max_tokens=32, ignore_eos=True)
+    finally:
+        ops.set_kernels("auto")
+    assert kernels.token_ids == reference.token_ids, (kernels.text, reference.text)

@@ -424,6 +424,11 @@ class GemvBlockSizes:
     # on the H200 (reductions over [wg, bn] tiles; ptxas: 168-255 registers, spills from 4 rows); True
     # compiles (ptxas sm_90a) to 56-113 registers, no spills, no layout conversions: untimed yet.
     x_scalar: bool = True
+    # with x_scalar and one group per step: the words, scales and biases of the group `prefetch` steps ahead
+    # are loaded in a step and carried, so their DRAM latency overlaps whole steps of arithmetic (Triton's
+    # pipeliner leaves these loads alone: no shared memory in the SASS). ptxas sinks a step's loads to its
+    # end, so 1 gains little; 2 keeps a full step between a load and its use. Untimed.
+    prefetch: int = 0
 
     @classmethod
     def for_weight(cls, n: int, k: int, bits: int = 4, group_size: int = 64, *, warps: int = 1056,
@@ -485,7 +490,7 @@ def _fields_offset(words, bits):
 
 
 def _gemv_kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, m, bits, group_size, steps, groups_per_step, fold,
-                  offset, x_scalar=False):
+                  offset, x_scalar=False, prefetch=0):
     # x_ref [rows, K]; w_ref [K * bits // 32, block_n] uint32; s_ref, b_ref [K // group_size, block_n]
     # o_ref [rows, block_n]
     rows = x_ref.shape[0]
@@ -509,20 +514,32 @@ def _gemv_kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, m, bits, group_size, step
     def load_x1(r, i):  # one x value, broadcast by the FMA (no tensor of x, so no layout to convert)
         return x_ref[row_at[r], i].astype(jnp.float32)
 
-    def body_scalar(t, accs):
+    def load_group(grp):  # a group's scales, biases [bn] f32 and its wg word rows [bn] uint32
+        return (s_ref[grp, :].astype(jnp.float32), b_ref[grp, :].astype(jnp.float32),
+                tuple(w_ref[grp * wg + wi, :] for wi in range(wg)))
+
+    def group_fmas(accs, grp, s, b, words):
         # One word row [bn] at a time: acc_r += (s * q + b) * x[r, k], a chain of FMAs per row, no reductions.
+        for wi, word in enumerate(words):
+            for j, (f, c) in enumerate(_fields(word, bits)):
+                w = f * (s * c) + b  # [bn]
+                for r in range(rows):
+                    accs[r] = accs[r] + w * load_x1(r, grp * group_size + j * wg + wi)
+        return accs
+
+    def body_scalar(t, accs):
         accs = list(accs)
         for u in range(groups_per_step):
             grp = first + t * groups_per_step + u
-            s = s_ref[grp, :].astype(jnp.float32)  # [bn]
-            b = b_ref[grp, :].astype(jnp.float32)
-            for wi in range(wg):
-                word = w_ref[grp * wg + wi, :]  # [bn] uint32
-                for j, (f, c) in enumerate(_fields(word, bits)):
-                    w = f * (s * c) + b  # [bn]
-                    for r in range(rows):
-                        accs[r] = accs[r] + w * load_x1(r, grp * group_size + j * wg + wi)
+            accs = group_fmas(accs, grp, *load_group(grp))
         return tuple(accs)
+
+    def body_prefetch(t, carry):
+        # The same FMAs in the same order as body_scalar (bit-identical); only the loads move ahead.
+        accs, queue = list(carry[0]), carry[1]
+        grp = first + t
+        ahead = load_group(jnp.minimum(grp + prefetch, first + steps - 1))  # past the end: reload the last
+        return tuple(group_fmas(accs, grp, *queue[0])), (*queue[1:], ahead)
 
     def body(t, accs):
         accs = list(accs)
@@ -556,7 +573,12 @@ def _gemv_kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, m, bits, group_size, step
         return tuple(accs)
 
     zero = jnp.zeros((block_n,), jnp.float32)
-    accs = lax.fori_loop(0, steps, body_scalar if x_scalar else body, tuple(zero for _ in range(rows)))
+    init = tuple(zero for _ in range(rows))
+    if prefetch:
+        queue = tuple(load_group(first + jnp.minimum(i, steps - 1)) for i in range(prefetch))
+        accs, _ = lax.fori_loop(0, steps, body_prefetch, (init, queue))
+    else:
+        accs = lax.fori_loop(0, steps, body_scalar if x_scalar else body, init)
     for r in range(rows):
         if ragged:
             plgpu.store(o_ref.at[jnp.int32(r), :], accs[r].astype(o_ref.dtype), mask=jnp.full((block_n,), valid[r]))
@@ -585,6 +607,10 @@ def _check_gemv(x, weight, scales, biases, bits, group_size, bs: GemvBlockSizes)
         raise ValueError("offset=True needs fold=True (the offset is removed per field with sum(x))")
     if bs.x_scalar and bs.fold:
         raise ValueError("fold=True needs x_scalar=False (the fold works on x tensors)")
+    if bs.prefetch < 0:
+        raise ValueError(f"prefetch={bs.prefetch} must be >= 0 (groups loaded ahead)")
+    if bs.prefetch and not (bs.x_scalar and bs.groups_per_step == 1):
+        raise ValueError(f"prefetch={bs.prefetch} needs x_scalar=True and groups_per_step=1")
     if n % bs.block_n:
         raise ValueError(f"N={n} must be a multiple of block_n={bs.block_n}")
     if k % (group_size * bs.split_k * bs.groups_per_step):
@@ -618,7 +644,7 @@ def qmatmul_gemv(
     steps = k // group_size // split // bs.groups_per_step
     kernel = functools.partial(_gemv_kernel, m=m, bits=bits, group_size=group_size, steps=steps,
                                groups_per_step=bs.groups_per_step, fold=bs.fold, offset=bs.offset,
-                               x_scalar=bs.x_scalar)
+                               x_scalar=bs.x_scalar, prefetch=bs.prefetch)
     out_shape, out_spec = _split_output(m, n, x.dtype, dataclasses.replace(bs, block_m=rows))
     out = pl.pallas_call(
         kernel,

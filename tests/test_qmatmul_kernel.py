@@ -375,3 +375,21 @@ def test_gpu_gemv_rows_bit_identical_whatever_m():
         for start in range(0, 64, m):
             idx = np.arange(start, min(start + m, 64))
             np.testing.assert_array_equal(f(others.at[: len(idx)].set(x[idx]))[: len(idx)], alone[idx], err_msg=f"{m=}")
+
+
+@pytest.mark.parametrize("m,bits,group_size,ahead", [(1, 4, 64, 1), (6, 8, 32, 2), (9, 4, 128, 2), (2, 4, 64, 5)])
+def test_interpret_gemv_prefetch_is_bit_identical_to_loading_in_step(m, bits, group_size, ahead):
+    """Loading the next group one step ahead moves loads only: the same FMAs in the same order."""
+    rng = np.random.default_rng(m + 40)
+    k = 8 * group_size
+    mlx, gemv = _gemv(rng, 32, k, bits, group_size, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    plain = dataclasses.replace(GEMV, groups_per_step=1, x_scalar=True)
+    early = dataclasses.replace(plain, prefetch=ahead)  # 5: more groups ahead than a split's 4 steps
+    y = qm.qmatmul_gemv(x, *gemv, bits=bits, group_size=group_size, block_sizes=early, interpret=True)
+    want = qm.qmatmul_gemv(x, *gemv, bits=bits, group_size=group_size, block_sizes=plain, interpret=True)
+    np.testing.assert_array_equal(y, want)
+    assert _rel_err(y, qm.reference(x, *mlx, bits=bits, group_size=group_size)) < 1e-5
+    with pytest.raises(ValueError, match="needs x_scalar=True and groups_per_step=1"):
+        qm.qmatmul_gemv(x, *gemv, bits=bits, group_size=group_size,
+                        block_sizes=dataclasses.replace(early, groups_per_step=2), interpret=True)

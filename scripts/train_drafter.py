@@ -89,12 +89,16 @@ def prompt_ids(tok: Tokenizer, path: str | None) -> list[list[int]]:
     return [tok.encode(c) for c in CODE + EDIT_PROMPTS] + chat
 
 
-def build_data(args, target, tok, out: Path) -> dict[str, np.ndarray]:
-    """The target's own generations (greedy, then sampled with other seeds), cached in OUT/data.npz."""
+def build_data(args, model: Path, target, tok, prompts: list[list[int]], out: Path) -> dict[str, np.ndarray]:
+    """The target's own generations of `prompts` (greedy, then sampled with other seeds), cached in OUT/data.npz.
+
+    On a GPU they come from the serving setup (checkpoint dtype, kernel layout, Pallas kernels) as `tfjax.load`
+    builds it from `model`; on the CPU from the float32 `target` itself."""
     path = out / "data.npz"
     if path.exists():
         return dict(np.load(path))
-    prompts = prompt_ids(tok, args.prompts)
+    if ops.use_kernels():
+        target = api.load(model, lanes=args.lanes).model
     seqs_p, seqs_o = [], []
     for rep in range(args.samples):
         temp = 0.0 if rep == 0 else args.temperature
@@ -173,9 +177,8 @@ def main():
     mask = max(added) if added else tcfg.vocab_size - 1  # a special token plain text never holds
     cfg = train.config_for(tcfg, layers=args.layers, block=args.block, taps=args.taps, mask_token_id=mask,
                            rank=args.rank, top_k=args.top_k, intermediate=args.intermediate)
-    # Generation: on a GPU the serving setup (checkpoint dtype, kernel layout, Pallas kernels), as `tfjax.load`
-    # builds it; on the CPU the float32 target itself.
-    data = build_data(args, api.load(path, lanes=args.lanes).model if ops.use_kernels() else target, tok, out)
+    prompts = prompt_ids(tok, args.prompts)
+    data = build_data(args, path, target, tok, prompts, out)
     ops.set_kernels("reference")  # gradients flow through the target's embedding and lm_head: jnp ops only
     data["feats"] = build_feats(args, tdef, tparams, data, cfg.target_layer_ids, out)
 
@@ -190,8 +193,7 @@ def main():
         params, opt_state = restored["params"], restored["opt"]
         print(f"resumed at step {start}")
     step = train.make_step(opt, args.anchors, args.gamma)
-    held, trained = split_by_prompt(len(data["tokens"]), len(prompt_ids(tok, args.prompts)), args.held_prompts,
-                                    args.seed)
+    held, trained = split_by_prompt(len(data["tokens"]), len(prompts), args.held_prompts, args.seed)
 
     def rows(idx):
         return {k: jnp.asarray(np.asarray(v[idx], np.float32 if k == "feats" else None)) for k, v in data.items()}

@@ -113,10 +113,6 @@ class Runner:
         tokens, count, proposed = jax.device_get((out.tokens, out.count, out.proposed))
         return tokens, count, proposed
 
-    def round(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """One lane round, dispatched and collected."""
-        return self.collect(self.dispatch())
-
     def release(self, lane: int) -> None:
         self.state = lane_round_mod.release(self.state, jnp.int32(lane))
 

@@ -30,7 +30,7 @@ def recurrent(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax
     """
     from tfjax import ops
 
-    if ops.delta_kernel() and q.shape[-1] == k.shape[-1]:
+    if ops.delta_kernel():
         from pallas_kernels import gated_delta as gdk
 
         if gdk.supports(k.shape[-1], v.shape[-1]):

@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 from timing import median_time
@@ -449,7 +450,7 @@ def flash_section():
 
 
 # --- dense27 decode ---
-def decode_section(steps=20, context=2048, layers=0):
+def decode_section(steps=20, context=2048, layers=0, modes=("reference", "kernel")):
     import functools
 
     import jax
@@ -474,7 +475,7 @@ def decode_section(steps=20, context=2048, layers=0):
     state_bytes = len(c.linear_layers) * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 8
     step_bytes = weight_bytes + kv_bytes + state_bytes
     tokens = {}
-    for mode in ("reference", "kernel"):
+    for mode in modes:
         ops.set_kernels(mode)
         model = nnx.merge(graphdef, params)
         if mode == "kernel":
@@ -505,13 +506,38 @@ def decode_section(steps=20, context=2048, layers=0):
             seq.append(int(token[0, 0]))
         tokens[mode] = seq
         med = float(np.median(times))
+        if os.environ.get("BENCH_PROFILE"):  # where a step goes: device kernels from a profiler trace
+            token, cache = profile_steps(step, ps, token, cache, context + 1 + steps, f"{mode} decode step")
         RESULTS[f"decode_{mode}"] = dict(tok_s=1 / med, ms=med * 1e3, compile_s=compile_s, tokens=seq,
                                          step_GB=step_bytes / 1e9)
         row("decode", f"dense27 4-bit 1 lane ctx {context}, {mode} ({1 / med:.1f} tok/s; compile {compile_s:.0f} s;"
             f" {step_bytes / 1e9:.2f} GB/step)", med, step_bytes / med / 1e9, bw / 1e9, "GB/s")
         del ps, cache, model
+    if len(tokens) < 2:
+        return
     RESULTS["decode_same_tokens"] = tokens["kernel"] == tokens["reference"]
     print(f"  kernel tokens == reference tokens: {RESULTS['decode_same_tokens']}", flush=True)
+
+
+def profile_steps(step, ps, token, cache, pos, what, count=5):
+    """Run `count` more steps under the profiler and print their kernels per step (scripts/profile_round.py)."""
+    import gzip
+
+    import jax
+    import jax.numpy as jnp
+    from profile_round import device_events, summarize
+
+    out = Path(os.environ["BENCH_PROFILE"]) / what.replace(" ", "_")
+    with jax.profiler.trace(str(out), create_perfetto_trace=True):
+        t = time.perf_counter()
+        for i in range(count):
+            token, cache = step(ps, token, jnp.array([pos + i], jnp.int32), cache)
+        token.block_until_ready()
+        wall = time.perf_counter() - t
+    path = max(out.rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    print(f"  profile of {what}:\n" + summarize(device_events(json.loads(gzip.decompress(path.read_bytes()))),
+                                                count, wall), flush=True)
+    return token, cache
 
 
 # --- the HF transformers peer (child process) ---
@@ -550,6 +576,7 @@ def main():
     ap.add_argument("--sections", default="base,qmatmul,attention,prompt,decode,hf")
     ap.add_argument("--sweep", action="store_true", help="sweep tile configs first (qmatmul, attention)")
     ap.add_argument("--layers", type=int, default=0, help="decode: truncate the layer count (0 = all 64)")
+    ap.add_argument("--decode-modes", default="reference,kernel", help="decode: the paths to time")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     sections = a.sections.split(",")
@@ -579,7 +606,7 @@ def main():
                     if "prompt" not in sections:  # prompt runs it too
                         flash_section()
                 else:
-                    decode_section(layers=a.layers)
+                    decode_section(layers=a.layers, modes=tuple(a.decode_modes.split(",")))
             except Exception as e:  # one failing section must not lose the others' numbers
                 import traceback
 

@@ -34,6 +34,17 @@ def flash_prompts() -> bool:
     return os.environ.get("TFJAX_FLASH", "1") != "0"
 
 
+def norm_kernel() -> bool:
+    """Lane-round row norms through the Pallas row-norm kernel on GPU (default; `TFJAX_NORM_KERNEL=0` keeps
+    the fixed-tile loop)."""
+    return use_kernels() and os.environ.get("TFJAX_NORM_KERNEL", "1") != "0"
+
+
+def fuse_projections() -> bool:
+    """Sibling projections fused into one matmul in the GPU serving layout (default; `TFJAX_FUSE=0` keeps them apart)."""
+    return use_kernels() and os.environ.get("TFJAX_FUSE", "1") != "0"
+
+
 def delta_kernel() -> bool:
     """Gated DeltaNet rows through the Pallas recurrence on GPU (`TFJAX_DELTA_KERNEL=1`; opt-in until timed)."""
     return use_kernels() and os.environ.get("TFJAX_DELTA_KERNEL", "0") == "1"
@@ -102,6 +113,24 @@ def rowwise(fn, x: jax.Array, rows: bool) -> jax.Array:
     if rows:
         return row_tiled(fn, x)
     return fn(x)
+
+
+def row_norm(x: jax.Array, weight: jax.Array | None = None, z: jax.Array | None = None, *, kind: str, eps: float,
+             rows: bool = False) -> jax.Array:
+    """RMSNorm / gated RMSNorm / L2 norm over the last axis (`pallas_kernels.row_norm` names the kinds).
+
+    Lane-round rows take the one-row-per-program kernel on GPU (row-invariant, one launch); elsewhere the
+    reference, in fixed row tiles when `rows` (a gate rides beside its row so one loop does both)."""
+    from pallas_kernels import row_norm as rn
+
+    d = x.shape[-1]
+    if rows and norm_kernel():
+        flat = (lambda a: None if a is None else a.reshape(-1, d))
+        return rn.row_norm(flat(x), weight, flat(z), kind=kind, eps=eps).reshape(x.shape)
+    if z is None:
+        return rowwise(lambda r: rn.reference(r, weight, kind=kind, eps=eps), x, rows)
+    xz = jnp.concatenate([x, z.astype(x.dtype)], axis=-1)
+    return rowwise(lambda r: rn.reference(r[..., :d], weight, r[..., d:], kind=kind, eps=eps), xz, rows)
 
 
 def matmul(x: jax.Array, w: jax.Array, *, rows: bool = False) -> jax.Array:

@@ -7,6 +7,7 @@ Shapes: B lanes, T rows per lane, D hidden, H query heads, G kv heads, E head di
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -42,15 +43,7 @@ class RMSNorm(nnx.Module):
         self.eps, self.offset = eps, offset
 
     def __call__(self, x: jax.Array, rows: bool = False) -> jax.Array:
-        return ops.rowwise(self._norm, x, rows)
-
-    def _norm(self, x: jax.Array) -> jax.Array:
-        xf = x.astype(jnp.float32)
-        xf = xf / jnp.sqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        w = self.weight[...].astype(jnp.float32)
-        if self.offset:
-            return (xf * (1.0 + w)).astype(x.dtype)
-        return (w * xf.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)
+        return ops.row_norm(x, self.weight[...], kind="rms_offset" if self.offset else "rms", eps=self.eps, rows=rows)
 
 
 class Linear(nnx.Module):
@@ -103,6 +96,53 @@ class Embedding(nnx.Module):
 
     def attend(self, x: jax.Array, rows: bool = False) -> jax.Array:
         return self.table(x, rows=rows)
+
+
+def concat_linears(parts: list[Linear]) -> Linear | None:
+    """One Linear whose output is the parts' outputs side by side (one launch instead of several), or None
+    when they differ in input size, quantization, layout or bias."""
+    first = parts[0]
+    same = all(p.quant == first.quant and p.layout == first.layout == "mlx" and (p.bias is None) == (first.bias is None)
+               and p.weight.shape[1:] == first.weight.shape[1:] for p in parts)
+    if not same:
+        return None
+    cat = (lambda name: nnx.Param(jnp.concatenate([getattr(p, name)[...] for p in parts], axis=0)))
+    fused = Linear(1, 1, dtype=first.weight.dtype, rngs=nnx.Rngs(0))
+    fused.quant, fused.weight = first.quant, cat("weight")
+    if first.quant is not None:
+        fused.scales, fused.biases = cat("scales"), cat("biases")
+    fused.bias = None if first.bias is None else cat("bias")
+    fused.splits = tuple(int(p.weight.shape[0]) for p in parts)
+    return fused
+
+
+def split_outputs(y: jax.Array, splits: tuple[int, ...]) -> list[jax.Array]:
+    """A fused Linear's output cut back into its parts' outputs."""
+    return jnp.split(y, list(itertools.accumulate(splits))[:-1], axis=-1)
+
+
+def fuse_projections(model: nnx.Module) -> int:
+    """Fuse sibling projections that read the same input (q/k/v, gate/up, DeltaNet's four in-projections) into
+    one Linear each, in place; call after loading and before `use_kernel_layout`. Returns how many fused."""
+    done = 0
+    for _, m in nnx.iter_modules(model):
+        names = getattr(m, "FUSABLE", None)
+        if names is None or getattr(m, "fused", None) is not None:
+            continue
+        fused = concat_linears([getattr(m, n) for n in names])
+        if fused is not None:
+            m.fused = fused
+            for n in names:
+                setattr(m, n, None)
+            done += 1
+    return done
+
+
+def projections(m: nnx.Module, x: jax.Array, rows: bool) -> list[jax.Array]:
+    """The outputs of m's FUSABLE projections of x: one fused call when fused, else one call each."""
+    if getattr(m, "fused", None) is not None:
+        return split_outputs(m.fused(x, rows), m.fused.splits)
+    return [getattr(m, n)(x, rows) for n in m.FUSABLE]
 
 
 def use_kernel_layout(model: nnx.Module) -> int:
@@ -222,6 +262,8 @@ def paged_attention(q: jax.Array, pages: KVPages, page_table: jax.Array, positio
 class Attention(nnx.Module):
     """GQA attention with optional q/k norms, partial rotary and sigmoid output gate (Qwen3.5)."""
 
+    FUSABLE = ("q_proj", "k_proj", "v_proj")
+
     def __init__(self, config: ModelConfig, quant_for, prefix: str, *, rngs: nnx.Rngs):
         c, dt = config, dtype_of(config)
         self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -244,15 +286,15 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, valid: jax.Array, pages: KVPages, page_table: jax.Array,
                  mode: Mode) -> tuple[jax.Array, KVPages]:
         b, t, _ = x.shape
-        q = self.q_proj(x, mode.rows)
+        q, k, v = projections(self, x, mode.rows)
         if self.gated:
             q = q.reshape(b, t, self.heads, 2 * self.head_dim)
             q, gate = q[..., : self.head_dim], q[..., self.head_dim :]
             gate = gate.reshape(b, t, -1)
         else:
             q = q.reshape(b, t, self.heads, self.head_dim)
-        k = self.k_proj(x, mode.rows).reshape(b, t, self.kv_heads, self.head_dim)
-        v = self.v_proj(x, mode.rows).reshape(b, t, self.kv_heads, self.head_dim)
+        k = k.reshape(b, t, self.kv_heads, self.head_dim)
+        v = v.reshape(b, t, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q, mode.rows), self.k_norm(k, mode.rows)
         q = rotary(q, positions, self.rotary_dim, self.theta)
@@ -268,14 +310,16 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
+    FUSABLE = ("gate_proj", "up_proj")
+
     def __init__(self, d: int, hidden: int, quant_for, prefix: str, *, dtype, rngs: nnx.Rngs):
         self.gate_proj = Linear(d, hidden, quant=quant_for(f"{prefix}.gate_proj"), dtype=dtype, rngs=rngs)
         self.up_proj = Linear(d, hidden, quant=quant_for(f"{prefix}.up_proj"), dtype=dtype, rngs=rngs)
         self.down_proj = Linear(hidden, d, quant=quant_for(f"{prefix}.down_proj"), dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array, rows: bool = False) -> jax.Array:
-        h = jax.nn.silu(self.gate_proj(x, rows)) * self.up_proj(x, rows)
-        return self.down_proj(h, rows)
+        gate, up = projections(self, x, rows)
+        return self.down_proj(jax.nn.silu(gate) * up, rows)
 
 
 def quant_lookup(config: ModelConfig):

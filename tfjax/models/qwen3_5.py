@@ -27,6 +27,7 @@ from tfjax.models.layers import (
     Mode,
     RMSNorm,
     dtype_of,
+    projections,
     quant_lookup,
 )
 
@@ -53,10 +54,6 @@ class DeltaTrace:
     beta: jax.Array
 
 
-def _l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
-    return x / jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
-
-
 class GatedRMSNorm(nnx.Module):
     """RMSNorm(x) * weight * silu(z) per value head (weight initialised to ones)."""
 
@@ -65,19 +62,13 @@ class GatedRMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array, z: jax.Array, rows: bool = False) -> jax.Array:
-        d = x.shape[-1]
-        xz = jnp.concatenate([x, z.astype(x.dtype)], axis=-1)  # one row-wise call: x and its gate side by side
-        return ops.rowwise(lambda r: self._norm(r[..., :d], r[..., d:]), xz, rows)
-
-    def _norm(self, x: jax.Array, z: jax.Array) -> jax.Array:
-        xf = x.astype(jnp.float32)
-        xf = xf / jnp.sqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        y = self.weight[...] * xf.astype(x.dtype)
-        return (y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
+        return ops.row_norm(x, self.weight[...], z, kind="gated", eps=self.eps, rows=rows)
 
 
 class GatedDeltaNet(nnx.Module):
     """Qwen3.5 linear attention: causal conv (width K) over q|k|v, then the gated delta rule."""
+
+    FUSABLE = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 
     def __init__(self, config: ModelConfig, quant_for, prefix: str, *, rngs: nnx.Rngs):
         c, dt = config, dtype_of(config)
@@ -119,18 +110,18 @@ class GatedDeltaNet(nnx.Module):
         k = qkv[..., kd : 2 * kd].reshape(b, t, c.linear_num_key_heads, -1).astype(jnp.float32)
         v = qkv[..., 2 * kd : 2 * kd + vd].reshape(b, t, c.linear_num_value_heads, -1).astype(jnp.float32)
         rep = c.linear_num_value_heads // c.linear_num_key_heads
-        q = jnp.repeat(ops.rowwise(_l2norm, q, rows), rep, axis=2) * (q.shape[-1] ** -0.5)
-        k = jnp.repeat(ops.rowwise(_l2norm, k, rows), rep, axis=2)
+        q = jnp.repeat(ops.row_norm(q, kind="l2", eps=1e-6, rows=rows), rep, axis=2) * (q.shape[-1] ** -0.5)
+        k = jnp.repeat(ops.row_norm(k, kind="l2", eps=1e-6, rows=rows), rep, axis=2)
         return DeltaTrace(mixed, q, k, v, g, beta)
 
     def __call__(self, x: jax.Array, cache: DeltaState, valid: jax.Array,
                  mode: Mode) -> tuple[jax.Array, DeltaState, DeltaTrace | None]:
         c = self.c
         b, t, _ = x.shape
-        mixed = self.in_proj_qkv(x, mode.rows)  # [B, T, C]
-        z = self.in_proj_z(x, mode.rows).reshape(b, t, c.linear_num_value_heads, -1)
-        beta = jax.nn.sigmoid(self.in_proj_b(x, mode.rows).astype(jnp.float32))
-        a = self.in_proj_a(x, mode.rows).astype(jnp.float32)
+        mixed, z, b_in, a = projections(self, x, mode.rows)  # mixed [B, T, C]
+        z = z.reshape(b, t, c.linear_num_value_heads, -1)
+        beta = jax.nn.sigmoid(b_in.astype(jnp.float32))
+        a = a.astype(jnp.float32)
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias[...].astype(jnp.float32))
         tr = self.step_inputs(mixed, cache.conv, g, beta, mode.rows)
         if mode.rows:

@@ -1,0 +1,74 @@
+"""Fused sibling projections (the GPU serving layout) compute what the separate ones do, and keep rows invariant."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tests.helpers import prefill_then_steps, rel_err
+from tfjax import geometry, models
+from tfjax.config import QuantConfig
+from tfjax.models import layers
+from tfjax.models.layers import ROWS, Linear, fuse_projections, use_kernel_layout
+
+
+def _tokens(n=14, seed=0):
+    return np.random.default_rng(seed).integers(0, 250, n).astype(np.int32)
+
+
+@pytest.mark.parametrize("name,quant", [("tiny_dense", None), ("tiny_dense", QuantConfig(4, 32)), ("tiny_moe", None)],
+                         ids=["dense", "dense-4bit", "moe"])
+def test_fused_model_gives_the_unfused_logits(name, quant):
+    config = getattr(geometry, name)
+    config = config if quant is None else config.replace(quantization=quant)
+    plain = models.build(config, seed=3)
+    fused = models.build(config, seed=3)
+    n = fuse_projections(fused)
+    layer_count = config.num_hidden_layers
+    assert n >= layer_count + (layer_count if name == "tiny_dense" else 0), "every layer's mixer (and MLP) fused"
+    assert fuse_projections(fused) == 0, "fusing twice is a no-op"
+    if quant is not None:
+        use_kernel_layout(plain)
+        use_kernel_layout(fused)
+    want = prefill_then_steps(plain, _tokens(), 9)
+    got = prefill_then_steps(fused, _tokens(), 9)
+    assert rel_err(got, want) < 1e-5
+
+
+def test_linears_that_differ_stay_apart():
+    a = Linear(64, 32, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    b = Linear(64, 32, quant=(4, 32), dtype=jnp.float32, rngs=nnx.Rngs(1))
+    c = Linear(48, 32, dtype=jnp.float32, rngs=nnx.Rngs(2))
+    assert layers.concat_linears([a, b]) is None and layers.concat_linears([a, c]) is None
+    fused = layers.concat_linears([a, Linear(64, 16, dtype=jnp.float32, rngs=nnx.Rngs(3))])
+    assert fused.splits == (32, 16) and fused.weight.shape == (48, 64)
+
+
+def test_fused_rows_are_bit_identical_alone_and_among_others():
+    """Row invariance survives fusion: a row's logits alone equal its logits among 9 rows and beside other lanes."""
+    from tfjax.models.layers import PROMPT, KVPages
+    from tfjax.models.qwen3_5 import Cache, DeltaState
+
+    model = models.build(geometry.tiny_dense, seed=11)
+    assert fuse_projections(model) > 0
+    graphdef, params = models.split(model)
+    rng = np.random.default_rng(0)
+    history = jnp.asarray(rng.integers(0, 256, (1, 9)), jnp.int32)
+    one = model.init_cache(1, 64)
+    _, one, _ = models.forward(graphdef, params, history, jnp.zeros((1,), jnp.int32), jnp.full((1,), 9), one, PROMPT)
+
+    def row0(lanes, width):
+        tile = lambda a: jnp.tile(a, (lanes,) + (1,) * (a.ndim - 1))  # noqa: E731
+        layers_ = [DeltaState(tile(c.conv), tile(c.state)) if isinstance(c, DeltaState) else KVPages(tile(c.k), tile(c.v))
+                   for c in one.layers]
+        cache = Cache(layers_, model.init_cache(lanes, 64).page_table)
+        rows = jnp.asarray(rng.integers(0, 256, (lanes, width)), jnp.int32).at[0, 0].set(7)
+        out, _, _ = models.forward(graphdef, params, rows, jnp.full((lanes,), 9, jnp.int32), jnp.full((lanes,), width),
+                                   cache, ROWS)
+        return np.asarray(out[0, 0])
+
+    alone = row0(1, 1)
+    for lanes, width in [(1, 9), (4, 5)]:
+        assert np.array_equal(row0(lanes, width), alone), f"{lanes=} {width=}"

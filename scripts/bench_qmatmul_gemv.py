@@ -40,8 +40,11 @@ VARIANTS = {  # name -> GemvBlockSizes.for_weight keywords, most telling first (
     "step2": dict(groups_per_step=2),
     "rows4": dict(block_m=4),
     "warps2k": dict(warps=2112),
+    "warps4k": dict(warps=4224),  # 32 warps an SM: more loads in flight (56 registers leave room)
+    "cols2w4k": dict(cols=2, warps=4224),  # smaller programs, more of them, no longer K splits
     "prefetch2": dict(prefetch=2),
     "prefetch2w2k": dict(prefetch=2, warps=2112),
+    "prefetch2w4k": dict(prefetch=2, warps=4224),
     "prefetch1": dict(prefetch=1),
     "xbf16": dict(x_f32=False),
     "stages1": dict(num_stages=1),
@@ -150,6 +153,7 @@ def main():
     ap.add_argument("--old", action="store_true", help="time qmatmul_tiled (the MMA kernel) beside it")
     ap.add_argument("--budget", type=float, default=225.0)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--variants", default="", help="with --sweep: only these (comma separated)")
     ap.add_argument("--variant", default="default", help="the table's variant when not sweeping")
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
@@ -181,6 +185,8 @@ def main():
         sets = {s: sets_for(*SHAPES[s], 1, "new") for s in shapes}
         for m in (1, 16):  # every variant at M = 1 first: the sweep may stop early
             for name, kw in VARIANTS.items():
+                if a.variants and name not in a.variants.split(","):
+                    continue
                 for shape in shapes:
                     n, k = SHAPES[shape]
                     if elapsed() > a.budget * 0.55 or totals.get(name) == math.inf:

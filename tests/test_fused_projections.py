@@ -72,3 +72,18 @@ def test_fused_rows_are_bit_identical_alone_and_among_others():
     alone = row0(1, 1)
     for lanes, width in [(1, 9), (4, 5)]:
         assert np.array_equal(row0(lanes, width), alone), f"{lanes=} {width=}"
+
+
+def test_fused_drafter_drafts_the_unfused_block():
+    """A DFlash2 drafter with fused q/k/v and gate/up absorbs and drafts what the unfused one does."""
+    from tests.test_dflash2 import TARGET, _our_block, drafter_config
+    from tfjax.drafters import dflash2
+
+    target = models.build(TARGET, seed=3)
+    make = lambda: dflash2.build(dflash2.DFlashConfig.from_dict(drafter_config()), seed=4).bind(TARGET)  # noqa: E731
+    plain, fused = make(), make()
+    assert fuse_projections(fused) == 2 * 2, "each of the 2 layers: attention and MLP"
+    taps = np.random.default_rng(2).standard_normal((9, 2 * 64)).astype(np.float32)
+    want_logits, want_drafts = _our_block(plain, target, taps, pending=17)
+    got_logits, got_drafts = _our_block(fused, target, taps, pending=17)
+    assert rel_err(got_logits, want_logits) < 1e-5 and got_drafts.tolist() == want_drafts.tolist()

@@ -23,7 +23,17 @@ from flax import nnx
 
 from tfjax.config import ModelConfig, QuantConfig
 from tfjax.lanes.drafter import Facts, copy_match_for
-from tfjax.models.layers import MLP, Embedding, KVPages, Linear, RMSNorm, gather_pages, rotary, write_pages
+from tfjax.models.layers import (
+    MLP,
+    Embedding,
+    KVPages,
+    Linear,
+    RMSNorm,
+    gather_pages,
+    projections,
+    rotary,
+    write_pages,
+)
 from tfjax.models.qwen3_5 import Cache
 
 DROP = 2**30  # a position no page holds: writes there are dropped
@@ -206,20 +216,29 @@ class DraftAttention(nnx.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, offset=False, dtype=dt)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, offset=False, dtype=dt)
 
+    FUSABLE = ("q_proj", "k_proj", "v_proj")
+
+    def qkv(self, x: jax.Array, positions: jax.Array, want_q: bool = True) -> tuple:
+        """Queries [N, T, H*E] (raw; None unless wanted or fused), keys (normed, rotated) and values [N, T, G, E]
+        of rows x [N, T, D] at `positions` [N, T]."""
+        n, t, _ = x.shape
+        if getattr(self, "fused", None) is not None:  # one launch; the queries come along
+            q, k, v = projections(self, x, False)
+        else:
+            q, k, v = self.q_proj(x) if want_q else None, self.k_proj(x), self.v_proj(x)
+        k = self.k_norm(k.reshape(n, t, self.kv_heads, self.head_dim))
+        return q, rotary(k, positions, self.head_dim, self.theta), v.reshape(n, t, self.kv_heads, self.head_dim)
+
     def kv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Keys (normed, rotated) and values [N, T, G, E] of rows x [N, T, D] at `positions` [N, T]."""
-        n, t, _ = x.shape
-        k = self.k_norm(self.k_proj(x).reshape(n, t, self.kv_heads, self.head_dim))
-        v = self.v_proj(x).reshape(n, t, self.kv_heads, self.head_dim)
-        return rotary(k, positions, self.head_dim, self.theta), v
+        return self.qkv(x, positions, want_q=False)[1:]
 
     def __call__(self, h: jax.Array, positions: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array,
                  visible: jax.Array, causal: bool) -> jax.Array:
         """h [N, B, D] block rows; ctx_k/v [N, S, G, E]; visible [N, B, S] which context keys each row sees."""
         n, b, _ = h.shape
-        q = self.q_norm(self.q_proj(h).reshape(n, b, self.heads, self.head_dim))
-        q = rotary(q, positions, self.head_dim, self.theta)
-        k, v = self.kv(h, positions)
+        q, k, v = self.qkv(h, positions)
+        q = rotary(self.q_norm(q.reshape(n, b, self.heads, self.head_dim)), positions, self.head_dim, self.theta)
         keys = jnp.concatenate([ctx_k.astype(q.dtype), k], axis=1)  # [N, S+B, G, E]
         vals = jnp.concatenate([ctx_v.astype(q.dtype), v], axis=1)
         inner = jnp.tril(jnp.ones((b, b), bool)) if causal else jnp.ones((b, b), bool)

@@ -2,6 +2,7 @@
 
   PYTHONPATH=. python3 scripts/profile_round.py --model /root/smollm2 --tokens 64
   PYTHONPATH=. python3 scripts/profile_round.py --model /root/smollm2 --drafter DIR --tokens 64
+  PYTHONPATH=. python3 scripts/profile_round.py --model smollm2 --structure   # kernels and loops, no GPU needed
 
 Decodes one request (one lane, `ignore_eos`) under `jax.profiler.trace`, then reads the Perfetto trace and
 prints the device kernels by time per round: how many launches a round makes, how long the device is busy
@@ -45,6 +46,44 @@ def summarize(events: list[dict], rounds: float, wall_s: float, top: int = 25) -
     return "\n".join(lines)
 
 
+def structure(jaxpr) -> dict:
+    """What a traced round launches, before XLA fuses it: Pallas kernels, loops (each iteration relaunches
+    its body), and kernels inside loops; a kernel's own body is not walked."""
+    out = {"pallas_call": 0, "loops": 0, "pallas_call_in_loops": 0, "ops": 0}
+
+    def walk(j, in_loop):
+        for e in j.eqns:
+            name = e.primitive.name
+            out["ops"] += 1
+            if name == "pallas_call":
+                out["pallas_call_in_loops" if in_loop else "pallas_call"] += 1
+                continue
+            loop = name in ("while", "scan")
+            out["loops"] += loop
+            for v in e.params.values():
+                for sub in v if isinstance(v, (list, tuple)) else [v]:
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner, in_loop or loop)
+
+    walk(getattr(jaxpr, "jaxpr", jaxpr), False)
+    return out
+
+
+def print_structure(args) -> None:
+    """The round's launch structure with the GPU dispatch forced (no GPU needed: tracing only)."""
+    from tfjax import api, ops
+    from tfjax.lanes import round as lane_round
+
+    ops.set_kernels("kernel")
+    llm = api.load(args.model, lanes=1, drafter=args.drafter,
+                   **({"copy_match": args.copy_match} if args.copy_match else {"copies": False}))
+    r = llm.engine.runner
+    traced = lane_round.lane_round.trace(r.target_def, r.target_params, r.drafter_def, r.drafter_params, r.state,
+                                         r.spec)
+    print(f"{args.model}; drafter {args.drafter}; copy_match {args.copy_match}: {structure(traced.jaxpr)}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2")
@@ -53,7 +92,11 @@ def main():
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--out", default="/tmp/tfjax-profile")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--structure", action="store_true", help="count the traced round's kernels and loops (any host)")
     args = ap.parse_args()
+    if args.structure:
+        print_structure(args)
+        return
     import jax
 
     from tfjax import api

@@ -32,3 +32,40 @@ def test_a_cpu_trace_has_no_device_kernels():
     trace = _trace()
     trace["traceEvents"] = [e for e in trace["traceEvents"] if e["pid"] == 1]
     assert device_events(trace) == []
+
+
+def test_a_round_with_kernels_has_no_loops_and_one_kernel_per_norm(monkeypatch):
+    """With the GPU dispatch forced (tracing only), a 4-bit llama round's norms are kernels, not tile loops, and
+    its fused projections leave 4 matmuls a layer; the loop form is still there behind TFJAX_NORM_KERNEL=0."""
+    import jax
+
+    from scripts.profile_round import structure
+    from tests.test_dflash2 import TARGET
+    from tfjax import models, ops
+    from tfjax.config import QuantConfig
+    from tfjax.engine.runner import Runner
+    from tfjax.lanes import round as lane_round
+    from tfjax.lanes.config import LaneConfig
+    from tfjax.models.layers import fuse_projections, use_kernel_layout
+
+    monkeypatch.setattr(ops, "_FORCE", "kernel")
+    config = TARGET.replace(quantization=QuantConfig(4, 32), num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+    target = models.build(config, seed=3)  # head dim 64: the attention kernel takes it
+    fuse_projections(target)
+    use_kernel_layout(target)
+    runner = Runner(target, LaneConfig(capacity=2, width=4, context=64, page_size=16))
+
+    def count():
+        r = runner
+        return structure(lane_round.lane_round.trace(r.target_def, r.target_params, None, None, r.state,
+                                                     r.spec).jaxpr)
+
+    layers = TARGET.num_hidden_layers
+    got = count()
+    # per layer: 2 norms, qkv, o, gate/up, down, attention; then the final norm and the (tied, 4-bit) lm_head
+    assert got["loops"] == 0 and got["pallas_call"] == 7 * layers + 2, got
+    monkeypatch.setenv("TFJAX_NORM_KERNEL", "0")
+    jax.clear_caches()  # the switch is read while tracing
+    got = count()
+    assert got["loops"] == 2 * layers + 1 and got["pallas_call"] == 5 * layers + 1, got
+    jax.clear_caches()  # no trace made with the GPU dispatch forced outlives the test

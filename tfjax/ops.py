@@ -136,6 +136,10 @@ def row_norm(x: jax.Array, weight: jax.Array | None = None, z: jax.Array | None 
 def matmul(x: jax.Array, w: jax.Array, *, rows: bool = False) -> jax.Array:
     """x [..., in] @ w[out, in].T; `rows` asks for row-invariant arithmetic (lane rounds)."""
     if rows:
+        from pallas_kernels import matmul as mm
+
+        if use_kernels() and os.environ.get("TFJAX_DENSE_KERNEL", "1") != "0" and mm.supports(*w.shape):
+            return mm.matmul(x, w)  # one launch; tiles fixed by the weight's shape (`TFJAX_DENSE_KERNEL=0`: loop)
         return row_tiled(lambda t: _dot_t(t, w), x)
     return _dot_t(x, w)
 

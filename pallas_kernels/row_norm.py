@@ -33,12 +33,18 @@ class BlockSizes:
         return self.num_warps or (1 if d <= 512 else 4)
 
 
-def pieces(d: int) -> tuple[tuple[int, int], ...]:
-    """(offset, size) power-of-two pieces covering [0, d), largest first."""
+def pieces(d: int, cap: int = 0) -> tuple[tuple[int, int], ...]:
+    """(offset, size) power-of-two pieces covering [0, d), largest first (none over `cap`, a power of 2, if set)."""
     out, off = [], 0
+    while cap and d - off > cap:
+        out.append((off, cap))
+        off += cap
+    d -= off
+    base = off
+    off = 0
     for bit in reversed(range(d.bit_length())):
         if d & (1 << bit):
-            out.append((off, 1 << bit))
+            out.append((base + off, 1 << bit))
             off += 1 << bit
     return tuple(out)
 

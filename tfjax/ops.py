@@ -35,8 +35,8 @@ def flash_prompts() -> bool:
 
 
 def norm_kernel() -> bool:
-    """Lane-round row norms through the Pallas row-norm kernel on GPU (default; `TFJAX_NORM_KERNEL=0` keeps
-    the fixed-tile loop)."""
+    """Lane-round row norms and DeltaNet's conv through one-row-per-program Pallas kernels on GPU (default;
+    `TFJAX_NORM_KERNEL=0` keeps the fixed-tile loops)."""
     return use_kernels() and os.environ.get("TFJAX_NORM_KERNEL", "1") != "0"
 
 

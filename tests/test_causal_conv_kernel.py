@@ -1,0 +1,83 @@
+"""The Pallas DeltaNet conv equals its reference; rows are independent of the rows beside them.
+
+Each case runs in interpret mode on the CPU (default) and compiled on a GPU under `-m gpu`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import causal_conv as cc
+from tests.helpers import rel_err
+
+
+def _case(rng, m, k, c, dtype=jnp.float32):
+    taps = jnp.asarray(rng.standard_normal((m, k, c)), dtype)
+    w = jnp.asarray(rng.standard_normal((c, k)) * 0.5, dtype)
+    return taps, w
+
+
+# C: a power of two, the tiny model's 96 (64 + 32) and 2048 + 96 (a full piece then a ragged tail)
+@pytest.mark.parametrize("m,c", [(1, 64), (5, 96), (2, 2144)])
+def test_interpret_matches_reference(m, c):
+    taps, w = _case(np.random.default_rng(c), m, 4, c)
+    got = cc.conv_silu(taps, w, interpret=True)
+    assert got.shape == (m, c) and rel_err(got, cc.reference(taps, w)) < 1e-6
+
+
+def test_interpret_rows_are_bit_identical_alone_and_among_others():
+    taps, w = _case(np.random.default_rng(1), 6, 4, 96, jnp.bfloat16)
+    together = cc.conv_silu(taps, w, interpret=True)
+    for i in range(6):
+        np.testing.assert_array_equal(cc.conv_silu(taps[i : i + 1], w, interpret=True)[0], together[i])
+
+
+def test_bad_shapes_raise_naming_the_value():
+    taps, w = _case(np.random.default_rng(2), 2, 4, 64)
+    with pytest.raises(ValueError, match="weight.shape"):
+        cc.conv_silu(taps, w[:, :3], interpret=True)
+
+
+def test_model_rows_take_the_kernel_only_with_kernels(monkeypatch):
+    """A DeltaNet layer's conv goes to the kernel for lane-round rows with kernels on, else the tile loop."""
+    from tfjax import geometry, models, ops
+    from tfjax.models.qwen3_5 import GatedDeltaNet
+
+    calls = []
+    kernel = cc.conv_silu
+
+    def spy(taps, w, **kw):
+        calls.append(taps.shape)
+        return kernel(taps, w, **kw, interpret=True)
+
+    monkeypatch.setattr(cc, "conv_silu", spy)
+    model = models.build(geometry.tiny_dense, seed=1)
+    layer = next(m for _, m in models.nnx.iter_modules(model) if isinstance(m, GatedDeltaNet))
+    window = jnp.asarray(np.random.default_rng(3).standard_normal((2, 3 + 5, geometry.tiny_dense.linear_conv_dim)),
+                         jnp.float32)
+    want = layer.conv(window, 5, rows=True)
+    assert calls == []
+    monkeypatch.setattr(ops, "_FORCE", "kernel")
+    got = layer.conv(window, 5, rows=True)
+    assert calls == [(10, 4, geometry.tiny_dense.linear_conv_dim)] and rel_err(got, want) < 1e-6
+
+
+def test_lowers_to_triton_for_cuda_without_a_gpu():
+    """The compiled path's Pallas -> Triton lowering at dense27's conv width (10240 channels, 4 taps)."""
+    taps = jax.ShapeDtypeStruct((8, 4, 10240), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((10240, 4), jnp.bfloat16)
+    text = jax.jit(cc.conv_silu).trace(taps, w).lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text and "causal_conv_silu" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 40])
+def test_gpu_matches_reference_and_rows_are_independent(m):
+    assert jax.default_backend() == "gpu"
+    taps, w = _case(np.random.default_rng(m), m, 4, 10240, jnp.bfloat16)
+    got = cc.conv_silu(taps, w)
+    assert rel_err(got, cc.reference(taps, w)) < 1e-2
+    np.testing.assert_array_equal(cc.conv_silu(taps[m - 1 :], w)[0], got[m - 1])

@@ -3,6 +3,7 @@
   PYTHONPATH=. python3 scripts/profile_round.py --model /root/smollm2 --tokens 64
   PYTHONPATH=. python3 scripts/profile_round.py --model /root/smollm2 --drafter DIR --tokens 64
   PYTHONPATH=. python3 scripts/profile_round.py --model smollm2 --structure   # kernels and loops, no GPU needed
+  PYTHONPATH=. python3 scripts/profile_round.py --structure --geometry dense27 --layers 8
 
 Decodes one request (one lane, `ignore_eos`) under `jax.profiler.trace`, then reads the Perfetto trace and
 prints the device kernels by time per round: how many launches a round makes, how long the device is busy
@@ -70,12 +71,40 @@ def structure(jaxpr) -> dict:
     return out
 
 
+def geometry_step_structure(name: str, layers: int) -> dict:
+    """The structure of one row-mode decode step of a named geometry (random 4-bit weights, first `layers`)."""
+    import jax.numpy as jnp
+
+    from tfjax import geometry, models, ops
+    from tfjax.config import QuantConfig
+    from tfjax.models.layers import ROWS, fuse_projections, use_kernel_layout
+
+    c = geometry.named(name).replace(quantization=QuantConfig(4, 64))
+    c = c.replace(num_hidden_layers=layers, layer_types=c.layer_types[:layers])
+    model = models.build(c, seed=0)
+    if ops.fuse_projections():
+        fuse_projections(model)
+    use_kernel_layout(model)
+    gd, ps = models.split(model)
+    cache = model.init_cache(1, 2048 + 64)
+
+    def step(ps, token, pos, cache):
+        return models.forward.__wrapped__(gd, ps, token, pos, jnp.ones_like(pos), cache, ROWS)[0]
+
+    import jax
+
+    return structure(jax.make_jaxpr(step)(ps, jnp.zeros((1, 1), jnp.int32), jnp.array([2048]), cache))
+
+
 def print_structure(args) -> None:
     """The round's launch structure with the GPU dispatch forced (no GPU needed: tracing only)."""
     from tfjax import api, ops
     from tfjax.lanes import round as lane_round
 
     ops.set_kernels("kernel")
+    if args.geometry:
+        print(f"{args.geometry}, {args.layers} layers, one decode step: {geometry_step_structure(args.geometry, args.layers)}")
+        return
     llm = api.load(args.model, lanes=1, drafter=args.drafter,
                    **({"copy_match": args.copy_match} if args.copy_match else {"copies": False}))
     r = llm.engine.runner
@@ -93,6 +122,8 @@ def main():
     ap.add_argument("--out", default="/tmp/tfjax-profile")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--structure", action="store_true", help="count the traced round's kernels and loops (any host)")
+    ap.add_argument("--geometry", default=None, help="with --structure: a decode step of this geometry instead")
+    ap.add_argument("--layers", type=int, default=8, help="with --geometry: the first N layers")
     args = ap.parse_args()
     if args.structure:
         print_structure(args)

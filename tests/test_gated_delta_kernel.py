@@ -82,8 +82,8 @@ def test_bad_shapes_raise_naming_the_value():
         gdk.recurrent(state[..., :12], q, k, v[..., :12], g, beta, interpret=True)
 
 
-def test_model_recurrence_takes_the_kernel_only_when_asked(monkeypatch):
-    """`gated_delta.recurrent` goes to the kernel with kernels on and TFJAX_DELTA_KERNEL=1, else the reference."""
+def test_model_recurrence_takes_the_kernel_with_kernels_unless_switched_off(monkeypatch):
+    """`gated_delta.recurrent` goes to the kernel with kernels on, the reference with TFJAX_DELTA_KERNEL=0."""
     from tfjax import ops
     from tfjax.models import gated_delta
 
@@ -100,10 +100,10 @@ def test_model_recurrence_takes_the_kernel_only_when_asked(monkeypatch):
     count = jnp.asarray([3, 1], jnp.int32)
     want, _ = gated_delta.recurrent_reference(*args, count)
     got, _ = gated_delta.recurrent(*args, count)
-    assert calls == [] and rel_err(got, want) == 0, "opt-in only"
-    monkeypatch.setenv("TFJAX_DELTA_KERNEL", "1")
-    got, _ = gated_delta.recurrent(*args, count)
     assert calls == ["kernel"] and rel_err(got, want) < 1e-6
+    monkeypatch.setenv("TFJAX_DELTA_KERNEL", "0")
+    got, _ = gated_delta.recurrent(*args, count)
+    assert calls == ["kernel"] and rel_err(got, want) == 0, "switched off: the reference"
 
 
 def test_lowers_to_triton_for_cuda_without_a_gpu():

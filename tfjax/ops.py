@@ -46,8 +46,9 @@ def fuse_projections() -> bool:
 
 
 def delta_kernel() -> bool:
-    """Gated DeltaNet rows through the Pallas recurrence on GPU (`TFJAX_DELTA_KERNEL=1`; opt-in until timed)."""
-    return use_kernels() and os.environ.get("TFJAX_DELTA_KERNEL", "0") == "1"
+    """Gated DeltaNet rows through the Pallas recurrence on GPU (default since it beat XLA's loop on the H200,
+    dense27 decode 29.4 -> 31.0 tok/s; `TFJAX_DELTA_KERNEL=0` keeps XLA's)."""
+    return use_kernels() and os.environ.get("TFJAX_DELTA_KERNEL", "1") != "0"
 
 
 def set_kernels(mode: str) -> None:

@@ -110,15 +110,19 @@ def test_seed_facts_replace_the_targets_copy_match():
     assert Drafted(Backend(), Drafter(20)).facts.copy_match == 20
 
 
-@pytest.mark.parametrize("name", ["tiny_dense", "tiny_moe"])
-def test_row_logits_are_bit_identical_alone_among_verify_rows_and_beside_other_lanes(name):
-    """A row's logits equal those of the row computed alone (1 lane, 1 row), whatever T and the lane count."""
+@pytest.mark.parametrize("name,fused", [("tiny_dense", False), ("tiny_moe", False), ("tiny_dense", True)],
+                         ids=["tiny_dense", "tiny_moe", "tiny_dense-fused"])
+def test_row_logits_are_bit_identical_alone_among_verify_rows_and_beside_other_lanes(name, fused):
+    """A row's logits equal those of the row computed alone (1 lane, 1 row), whatever T and the lane count
+    (also with sibling projections fused, the GPU serving layout)."""
     import jax.numpy as jnp
 
-    from tfjax.models.layers import PROMPT, ROWS, KVPages
+    from tfjax.models.layers import PROMPT, ROWS, KVPages, fuse_projections
     from tfjax.models.qwen3_5 import Cache, DeltaState
 
     model = models.build(getattr(geometry, name), seed=11)
+    if fused:
+        assert fuse_projections(model) > 0
     graphdef, params = models.split(model)
     rng = np.random.default_rng(0)
     history = jnp.asarray(rng.integers(0, 256, (1, 9)), jnp.int32)

@@ -107,11 +107,12 @@ def concat_linears(parts: list[Linear]) -> Linear | None:
     if not same:
         return None
     cat = (lambda name: nnx.Param(jnp.concatenate([getattr(p, name)[...] for p in parts], axis=0)))
-    fused = Linear(1, 1, dtype=first.weight.dtype, rngs=nnx.Rngs(0))
+    fused = Linear(1, 1, bias=first.bias is not None, dtype=first.weight.dtype, rngs=nnx.Rngs(0))
     fused.quant, fused.weight = first.quant, cat("weight")
     if first.quant is not None:
         fused.scales, fused.biases = cat("scales"), cat("biases")
-    fused.bias = None if first.bias is None else cat("bias")
+    if first.bias is not None:
+        fused.bias = cat("bias")
     fused.splits = tuple(int(p.weight.shape[0]) for p in parts)
     return fused
 

@@ -70,3 +70,13 @@ def test_fused_drafter_drafts_the_unfused_block():
     want_logits, want_drafts = _our_block(plain, target, taps, pending=17)
     got_logits, got_drafts = _our_block(fused, target, taps, pending=17)
     assert rel_err(got_logits, want_logits) < 1e-5 and got_drafts.tolist() == want_drafts.tolist()
+
+
+def test_a_fused_drafter_refuses_to_be_saved_in_the_published_layout(tmp_path):
+    from tests.test_dflash2 import TARGET, drafter_config
+    from tfjax.drafters import dflash2, dflash2_checkpoint
+
+    drafter = dflash2.build(dflash2.DFlashConfig.from_dict(drafter_config()), seed=4).bind(TARGET)
+    fuse_projections(drafter)
+    with pytest.raises(ValueError, match="fused"):
+        dflash2_checkpoint.save(drafter, tmp_path / "d")

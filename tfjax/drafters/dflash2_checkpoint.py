@@ -103,6 +103,9 @@ def save(drafter: DFlashDrafter, out_dir: str | Path, *, dtype: str = "bfloat16"
     """Write config.json + model.safetensors in the published layout (readable by `load`)."""
     from safetensors.flax import save_file
 
+    if any(getattr(m, "fused", None) is not None for _, m in nnx.iter_modules(drafter)):
+        raise ValueError("this drafter's projections are fused (the GPU serving layout): save it before loading it "
+                         "for serving, or load it again from its checkpoint")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(published_tensors(drafter, jnp.dtype(dtype)), str(out / "model.safetensors"))

@@ -460,7 +460,7 @@ def decode_section(steps=20, context=2048, layers=0, modes=("reference", "kernel
     from tfjax import geometry, models, ops
     from tfjax.config import QuantConfig
     from tfjax.models.layers import ROWS as ROWS_MODE
-    from tfjax.models.layers import fuse_projections, use_kernel_layout
+    from tfjax.models.layers import serving_layout
     from tfjax.models.qwen3_5 import DeltaState
 
     bw = RESULTS["copy_GBps"] * 1e9
@@ -479,8 +479,8 @@ def decode_section(steps=20, context=2048, layers=0, modes=("reference", "kernel
         ops.set_kernels(mode)
         model = nnx.merge(graphdef, params)
         if mode == "kernel":
-            fused = fuse_projections(model) if ops.fuse_projections() else 0
-            print(f"  fused {fused} projection groups, repacked {use_kernel_layout(model)} linears", flush=True)
+            fused, packed = serving_layout(model)
+            print(f"  fused {fused} projection groups, repacked {packed} linears", flush=True)
         gd, ps = nnx.split(model)
         cache = model.init_cache(1, context + steps + 64)
         key = jax.random.key(7)

@@ -75,16 +75,14 @@ def geometry_step_structure(name: str, layers: int) -> dict:
     """The structure of one row-mode decode step of a named geometry (random 4-bit weights, first `layers`)."""
     import jax.numpy as jnp
 
-    from tfjax import geometry, models, ops
+    from tfjax import geometry, models
     from tfjax.config import QuantConfig
-    from tfjax.models.layers import ROWS, fuse_projections, use_kernel_layout
+    from tfjax.models.layers import ROWS, serving_layout
 
     c = geometry.named(name).replace(quantization=QuantConfig(4, 64))
     c = c.replace(num_hidden_layers=layers, layer_types=c.layer_types[:layers])
     model = models.build(c, seed=0)
-    if ops.fuse_projections():
-        fuse_projections(model)
-    use_kernel_layout(model)
+    serving_layout(model)
     gd, ps = models.split(model)
     cache = model.init_cache(1, 2048 + 64)
 

@@ -9,7 +9,7 @@ from tfjax import checkpoint, ops
 from tfjax.engine import Engine, Request, Result
 from tfjax.lanes.config import LaneConfig
 from tfjax.lanes.drafter import RoundFacts
-from tfjax.models.layers import fuse_projections, use_kernel_layout
+from tfjax.models.layers import serving_layout
 from tfjax.tokenizer import Tokenizer
 
 
@@ -60,9 +60,7 @@ class LLM:
         if ops.use_kernels():  # GPU serving layout (target and drafter), once here: fused projections, kernel packing
             for m in (self.model, draft_model):
                 if m is not None:
-                    if ops.fuse_projections():
-                        fuse_projections(m)
-                    use_kernel_layout(m)
+                    serving_layout(m)
         self.lanes = LaneConfig(capacity=lanes, width=width, context=context)
         eos = tuple(self.tokenizer.eos_ids) or self.config.eos_token_id
         self.engine = Engine(self.model, self.lanes, drafter=draft_model, eos_ids=eos)

@@ -146,6 +146,13 @@ def projections(m: nnx.Module, x: jax.Array, rows: bool) -> list[jax.Array]:
     return [getattr(m, n)(x, rows) for n in m.FUSABLE]
 
 
+def serving_layout(model: nnx.Module) -> tuple[int, int]:
+    """The GPU serving layout, in place, once after loading: fused projections (unless `TFJAX_FUSE=0`), then
+    the kernel packing. Returns (projection groups fused, linears repacked)."""
+    fused = fuse_projections(model) if ops.fuse_projections() else 0
+    return fused, use_kernel_layout(model)
+
+
 def use_kernel_layout(model: nnx.Module) -> int:
     """Repack every quantized Linear (not embedding tables) into `quant.to_kernel_layout` once, in place.
 

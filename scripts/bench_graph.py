@@ -522,11 +522,9 @@ def decode_section(steps=20, context=2048, layers=0, modes=("reference", "kernel
 
 def profile_steps(step, ps, token, cache, pos, what, count=5):
     """Run `count` more steps under the profiler and print their kernels per step (scripts/profile_round.py)."""
-    import gzip
-
     import jax
     import jax.numpy as jnp
-    from profile_round import device_events, summarize
+    from profile_round import latest_events, summarize
 
     out = Path(os.environ["BENCH_PROFILE"]) / what.replace(" ", "_")
     with jax.profiler.trace(str(out), create_perfetto_trace=True):
@@ -535,9 +533,7 @@ def profile_steps(step, ps, token, cache, pos, what, count=5):
             token, cache = step(ps, token, jnp.array([pos + i], jnp.int32), cache)
         token.block_until_ready()
         wall = time.perf_counter() - t
-    path = max(out.rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
-    print(f"  profile of {what}:\n" + summarize(device_events(json.loads(gzip.decompress(path.read_bytes()))),
-                                                count, wall), flush=True)
+    print(f"  profile of {what}:\n" + summarize(latest_events(out), count, wall), flush=True)
     return token, cache
 
 

@@ -31,6 +31,12 @@ def device_events(trace: dict) -> list[dict]:
     return [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("pid") in pids and "dur" in e]
 
 
+def latest_events(folder: Path) -> list[dict]:
+    """Device events of the newest Perfetto trace `jax.profiler.trace` wrote under `folder`."""
+    path = max(folder.rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    return device_events(json.loads(gzip.decompress(path.read_bytes())))
+
+
 def summarize(events: list[dict], rounds: float, wall_s: float, top: int = 25) -> str:
     """A table of kernels by total time: launches and microseconds per round."""
     total = defaultdict(float)
@@ -139,11 +145,9 @@ def main():
         gen = llm.generate(PROMPT, max_tokens=args.tokens, ignore_eos=True)
         wall = time.perf_counter() - t
     rounds = len(gen.token_ids) / gen.tokens_per_round
-    path = max(out.rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
-    trace = json.loads(gzip.decompress(path.read_bytes()))
     print(f"{args.model} on {jax.devices()[0].device_kind}; drafter {args.drafter}; copy_match {args.copy_match}; "
-          f"{len(gen.token_ids)} tokens, {gen.tokens_per_round:.2f} a round; trace {path}")
-    events = device_events(trace)
+          f"{len(gen.token_ids)} tokens, {gen.tokens_per_round:.2f} a round; trace under {out}")
+    events = latest_events(out)
     if not events:
         raise SystemExit(f"no GPU kernels in the trace ({jax.default_backend()} run): the table needs a GPU")
     print(summarize(events, rounds, wall, args.top))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scripts.profile_round import device_events, summarize
+from scripts.profile_round import device_events, latest_events, summarize
 
 
 def _trace():
@@ -17,6 +17,19 @@ def _trace():
 def test_device_tracks_are_preferred_over_the_host():
     names = sorted({e["name"] for e in device_events(_trace())})
     assert names == ["fusion_1", "qmatmul_tiled"]
+
+
+def test_the_newest_trace_under_a_folder_is_read(tmp_path):
+    import gzip
+    import json
+    import os
+
+    old, new = tmp_path / "a" / "old.trace.json.gz", tmp_path / "b" / "new.trace.json.gz"
+    for path, trace in ((old, {"traceEvents": []}), (new, _trace())):
+        path.parent.mkdir()
+        path.write_bytes(gzip.compress(json.dumps(trace).encode()))
+    os.utime(old, (1, 1))
+    assert sorted({e["name"] for e in latest_events(tmp_path)}) == ["fusion_1", "qmatmul_tiled"]
 
 
 def test_kernels_are_summed_per_round_and_ranked_by_time():

@@ -39,12 +39,10 @@ def pieces(d: int, cap: int = 0) -> tuple[tuple[int, int], ...]:
     while cap and d - off > cap:
         out.append((off, cap))
         off += cap
-    d -= off
-    base = off
-    off = 0
-    for bit in reversed(range(d.bit_length())):
-        if d & (1 << bit):
-            out.append((base + off, 1 << bit))
+    rest = d - off
+    for bit in reversed(range(rest.bit_length())):
+        if rest >> bit & 1:
+            out.append((off, 1 << bit))
             off += 1 << bit
     return tuple(out)
 

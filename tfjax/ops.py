@@ -40,6 +40,12 @@ def norm_kernel() -> bool:
     return use_kernels() and os.environ.get("TFJAX_NORM_KERNEL", "1") != "0"
 
 
+def dense_kernel() -> bool:
+    """Lane-round rows of dense (unquantized) weights through the fixed-tile Pallas matmul on GPU (default;
+    `TFJAX_DENSE_KERNEL=0` keeps the 64-row tile loop)."""
+    return use_kernels() and os.environ.get("TFJAX_DENSE_KERNEL", "1") != "0"
+
+
 def fuse_projections() -> bool:
     """Sibling projections fused into one matmul in the GPU serving layout (default; `TFJAX_FUSE=0` keeps them apart)."""
     return use_kernels() and os.environ.get("TFJAX_FUSE", "1") != "0"
@@ -134,13 +140,26 @@ def row_norm(x: jax.Array, weight: jax.Array | None = None, z: jax.Array | None 
     return rowwise(lambda r: rn.reference(r[..., :d], weight, r[..., d:], kind=kind, eps=eps), xz, rows)
 
 
+def conv_silu(taps: jax.Array, weight: jax.Array, *, rows: bool = False) -> jax.Array:
+    """DeltaNet's depthwise causal conv + silu: taps [..., K, C], weight [C, K] -> [..., C].
+
+    Lane-round rows take the one-row-per-program kernel on GPU; elsewhere the reference, in fixed row tiles
+    when `rows`."""
+    from pallas_kernels import causal_conv as cc
+
+    *lead, k, c = taps.shape
+    if rows and norm_kernel():
+        return cc.conv_silu(taps.reshape(-1, k, c), weight).reshape(*lead, c)
+    return rowwise(lambda r: cc.reference(r.reshape(*r.shape[:-1], k, c), weight), taps.reshape(*lead, k * c), rows)
+
+
 def matmul(x: jax.Array, w: jax.Array, *, rows: bool = False) -> jax.Array:
     """x [..., in] @ w[out, in].T; `rows` asks for row-invariant arithmetic (lane rounds)."""
     if rows:
         from pallas_kernels import matmul as mm
 
-        if use_kernels() and os.environ.get("TFJAX_DENSE_KERNEL", "1") != "0" and mm.supports(*w.shape):
-            return mm.matmul(x, w)  # one launch; tiles fixed by the weight's shape (`TFJAX_DENSE_KERNEL=0`: loop)
+        if dense_kernel() and mm.supports(*w.shape):
+            return mm.matmul(x, w)  # one launch; tiles fixed by the weight's shape
         return row_tiled(lambda t: _dot_t(t, w), x)
     return _dot_t(x, w)
 

@@ -88,15 +88,9 @@ class GatedDeltaNet(nnx.Module):
 
     def conv(self, window: jax.Array, t: int, rows: bool = False) -> jax.Array:
         """Depthwise causal conv + silu: window [B, K-1+T, C] -> [B, T, C], each row from its own K inputs."""
-        from pallas_kernels import causal_conv
-
         w = self.conv1d["weight"][...]  # [C, K]
-        kk, ch = w.shape[1], w.shape[0]
-        taps = jnp.stack([window[:, j : j + t] for j in range(kk)], axis=2)  # [B, T, K, C]
-        if rows and ops.norm_kernel():  # one launch, one row per program (row-invariant by construction)
-            return causal_conv.conv_silu(taps.reshape(-1, kk, ch), w).reshape(*taps.shape[:2], ch)
-        one = lambda r: causal_conv.reference(r.reshape(*r.shape[:-1], kk, ch), w)  # noqa: E731  [..., K*C] -> [..., C]
-        return ops.rowwise(one, taps.reshape(*taps.shape[:2], kk * ch), rows)
+        taps = jnp.stack([window[:, j : j + t] for j in range(w.shape[1])], axis=2)  # [B, T, K, C]
+        return ops.conv_silu(taps, w, rows=rows)
 
     def step_inputs(self, mixed: jax.Array, conv_tail: jax.Array, g: jax.Array, beta: jax.Array,
                     rows: bool = False) -> DeltaTrace:

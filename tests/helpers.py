@@ -106,3 +106,16 @@ def check_kernel(kernel, reference, args, bs, interpret: bool, dtype) -> None:
     assert y.shape == args[0].shape and y.dtype == dtype
     assert np.isfinite(np.asarray(y, np.float32)).all()
     assert rel_err(y, reference(*args)) < (1e-5 if dtype == jnp.float32 else 1e-2)
+
+
+def spy_interpreted(monkeypatch, module, name: str, record) -> list:
+    """Swap module.name for a spy that appends record(args, kwargs) and runs the kernel in interpret mode."""
+    calls = []
+    kernel = getattr(module, name)
+
+    def spy(*args, **kwargs):
+        calls.append(record(args, kwargs))
+        return kernel(*args, **kwargs, interpret=True)
+
+    monkeypatch.setattr(module, name, spy)
+    return calls

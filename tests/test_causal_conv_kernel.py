@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import causal_conv as cc
-from tests.helpers import rel_err
+from tests.helpers import rel_err, spy_interpreted
 
 
 def _case(rng, m, k, c, dtype=jnp.float32):
@@ -46,14 +46,7 @@ def test_model_rows_take_the_kernel_only_with_kernels(monkeypatch):
     from tfjax import geometry, models, ops
     from tfjax.models.qwen3_5 import GatedDeltaNet
 
-    calls = []
-    kernel = cc.conv_silu
-
-    def spy(taps, w, **kw):
-        calls.append(taps.shape)
-        return kernel(taps, w, **kw, interpret=True)
-
-    monkeypatch.setattr(cc, "conv_silu", spy)
+    calls = spy_interpreted(monkeypatch, cc, "conv_silu", lambda args, kw: args[0].shape)
     model = models.build(geometry.tiny_dense, seed=1)
     layer = next(m for _, m in models.nnx.iter_modules(model) if isinstance(m, GatedDeltaNet))
     window = jnp.asarray(np.random.default_rng(3).standard_normal((2, 3 + 5, geometry.tiny_dense.linear_conv_dim)),

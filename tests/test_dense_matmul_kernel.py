@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import matmul as mm
-from tests.helpers import rel_err
+from tests.helpers import rel_err, spy_interpreted
 
 
 def _case(rng, m, n, k, dtype=jnp.float32):
@@ -55,14 +55,7 @@ def test_bad_shapes_raise_naming_the_value():
 def test_dense_rows_take_the_kernel_only_with_kernels(monkeypatch):
     from tfjax import ops
 
-    calls = []
-    kernel = mm.matmul
-
-    def spy(x, w, **kw):
-        calls.append(w.shape)
-        return kernel(x, w, **kw, interpret=True)
-
-    monkeypatch.setattr(mm, "matmul", spy)
+    calls = spy_interpreted(monkeypatch, mm, "matmul", lambda args, kw: args[1].shape)
     x, w = _case(np.random.default_rng(4), 5, 64, 128)
     want = mm.reference(x, w)
     assert rel_err(ops.matmul(x, w, rows=True), want) < 1e-5 and calls == []

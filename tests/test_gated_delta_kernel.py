@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import gated_delta as gdk
-from tests.helpers import rel_err
+from tests.helpers import rel_err, spy_interpreted
 
 
 def _case(rng, b, t, h, dk, dv, dtype=jnp.float32):
@@ -87,14 +87,7 @@ def test_model_recurrence_takes_the_kernel_with_kernels_unless_switched_off(monk
     from tfjax import ops
     from tfjax.models import gated_delta
 
-    calls = []
-    kernel = gdk.recurrent
-
-    def spy(*args, **kwargs):
-        calls.append("kernel")
-        return kernel(*args, **kwargs, interpret=True)
-
-    monkeypatch.setattr(gdk, "recurrent", spy)
+    calls = spy_interpreted(monkeypatch, gdk, "recurrent", lambda args, kw: "kernel")
     monkeypatch.setattr(ops, "_FORCE", "kernel")
     args = _case(np.random.default_rng(5), 2, 3, 2, 16, 16)
     count = jnp.asarray([3, 1], jnp.int32)

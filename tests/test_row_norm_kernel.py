@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import row_norm as rn
-from tests.helpers import rel_err
+from tests.helpers import rel_err, spy_interpreted
 
 
 def _case(rng, m, d, kind, dtype=jnp.float32):
@@ -76,14 +76,7 @@ def test_model_rows_take_the_kernel_only_with_kernels(monkeypatch):
     """`ops.row_norm` sends lane-round rows to the kernel when kernels are on; prompts and the CPU stay on jnp."""
     from tfjax import ops
 
-    calls = []
-    kernel = rn.row_norm
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs["kind"])
-        return kernel(*args, **kwargs, interpret=True)
-
-    monkeypatch.setattr(rn, "row_norm", spy)
+    calls = spy_interpreted(monkeypatch, rn, "row_norm", lambda args, kw: kw["kind"])
     x, w, _ = _case(np.random.default_rng(5), 12, 96, "rms")
     x = x.reshape(2, 3, 2, 96)
     want = rn.reference(x, w, kind="rms", eps=1e-6)

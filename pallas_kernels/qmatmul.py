@@ -257,10 +257,15 @@ class TiledBlockSizes:
     num_stages: int = 3
     swap: bool = True  # the weight tile as the MMA's left operand (out.T = W @ x.T): measured 1.4-1.6x faster
     fold: bool = True  # dot with raw q, then scale and add bias * sum(x) per group
-    # q to float32 by OR-ing it into 2^23's mantissa and subtracting 2^23 (exact: the same values, so the
-    # same outputs) instead of I2F, which sm_90 runs at a quarter of the ALU rate (one per weight in the
-    # ptxas sm_90a SASS of the default config, Triton 3.6). Not yet timed on a GPU, hence off.
-    magic: bool = False
+    # How a field q becomes the MMA operand: "convert" (int -> f32 -> x.dtype; one I2F per weight, which sm_90
+    # runs at a quarter of the ALU rate), "magic" (q OR-ed into 2^23's mantissa, minus 2^23: the same values
+    # without I2F, bit-identical), "bf16" (q OR-ed into bf16 128's mantissa and reinterpreted: 128 + q, exact,
+    # no float op at all; with fold the 128 * sum(x) it adds is taken off each group's f32 partial; 4-bit),
+    # "pairs" (as bf16, two weights per shift-AND-OR of a word: needs `quant.to_pair_layout`'s weights).
+    unpack: str = "convert"
+    # with fold: each group's sum(x) computed before the kernel (`group_sums`: elementwise adds in a fixed
+    # order, row-invariant) instead of by every program for every field (~a third of the pairs kernel's SASS)
+    sums_outside: bool = False
 
     @classmethod
     def for_weight(cls, n: int, k: int, bits: int = 4, group_size: int = 64, programs: int = 264,
@@ -268,50 +273,101 @@ class TiledBlockSizes:
         """Smallest split of K's tiles (a divisor) giving >= `programs` programs; from the shape alone."""
         want = kw.pop("block_n", 64)
         block_n = next((b for b in (want, 64, 32, 16) if n % b == 0), want)  # N=48 (DeltaNet a, b): 16
-        tiles = k // quant.kernel_tile(bits, group_size)
+        tiles = k // tile_inputs(bits, group_size, kw.get("unpack", "convert"))
         divisors = [s for s in range(1, tiles + 1) if tiles % s == 0]
         split = next((s for s in divisors if (n // block_n) * s >= programs), divisors[-1])
         split = min(split, max(d for d in divisors if d <= 8))  # more partials cost more than they feed
         return cls(block_n=block_n, split_k=split, **kw)
 
+    @classmethod
+    def for_layout(cls, n: int, k: int, bits: int, group_size: int, layout: str) -> TiledBlockSizes:
+        """The dispatch's tiles for weights in `layout` ("kernel": `to_kernel_layout`, "pairs": `to_pair_layout`)."""
+        if layout == "pairs":
+            return cls.for_weight(n, k, bits, group_size, unpack="pairs", sums_outside=True)
+        return cls.for_weight(n, k, bits, group_size)
 
-def _tiled_kernel(x_ref, w_ref, s_ref, b_ref, o_ref, *, m, bits, group_size, tiles_per_split, swap, fold,
-                  magic=False):
-    # x_ref [block_m, K]; w_ref [block_n, K * bits // 32] uint32; s_ref, b_ref [K // group_size, block_n]
+
+def _bf16_offset_fields(words, j, bits, dtype):
+    """Field j of uint32 `words` as bf16 ``128 + q`` (exact for q < 128), cast to `dtype`: no float op."""
+    v = ((words >> jnp.uint32(bits * j)) & jnp.uint32((1 << bits) - 1)) | jnp.uint32(0x4300)
+    return lax.bitcast_convert_type(v.astype(jnp.uint16), jnp.bfloat16).astype(dtype)
+
+
+def _bf16_offset_pairs(words, j, dtype):
+    """Fields j and j + 4 of pair-layout `words [bn, w]` as bf16 ``128 + q`` interleaved: ``[bn, 2w]`` in K order.
+
+    One shift, AND and OR per word make both halves; the two halves are the word's own 16-bit parts."""
+    v = ((words >> jnp.uint32(4 * j)) & jnp.uint32(0x000F000F)) | jnp.uint32(0x43004300)
+    lo = lax.bitcast_convert_type((v & jnp.uint32(0xFFFF)).astype(jnp.uint16), jnp.bfloat16)
+    hi = lax.bitcast_convert_type((v >> jnp.uint32(16)).astype(jnp.uint16), jnp.bfloat16)
+    return jnp.stack([lo, hi], axis=-1).reshape(words.shape[0], 2 * words.shape[1]).astype(dtype)
+
+
+def tile_inputs(bits: int, group_size: int, unpack: str) -> int:
+    """Inputs per K tile of the layout `unpack` reads (pairs: `quant.pair_tile`, else `quant.kernel_tile`)."""
+    return quant.pair_tile(group_size) if unpack == "pairs" else quant.kernel_tile(bits, group_size)
+
+
+def group_sums(x: jax.Array, group_size: int) -> jax.Array:
+    """``[M, K] -> [M, K // group_size]`` f32 sums of each group, added left to right (elementwise: row-invariant)."""
+    m, k = x.shape
+    parts = x.astype(jnp.float32).reshape(m, k // group_size, group_size)
+    acc = parts[..., 0]
+    for i in range(1, group_size):
+        acc = acc + parts[..., i]
+    return acc
+
+
+def _tiled_kernel(x_ref, *refs, m, bits, group_size, tiles_per_split, swap, fold, unpack="convert",
+                  sums_outside=False):
+    # x_ref [block_m, K]; (xs_ref [block_m, K // group_size] f32 with sums_outside); w_ref [block_n, K * bits // 32]
+    # uint32; s_ref, b_ref [K // group_size, block_n]; o_ref [block_m, block_n]
+    xs_ref, w_ref, s_ref, b_ref, o_ref = refs if sums_outside else (None, *refs)
     block_m = x_ref.shape[0]
     block_n = w_ref.shape[0]
-    per_word = 32 // bits
-    tile = per_word * group_size
+    tile = tile_inputs(bits, group_size, unpack)
+    fields = tile // group_size  # groups per tile: one per field (a field pair with "pairs")
+    words_per_tile = tile * bits // 32
     row_mask = (pl.program_id(0) * block_m + jnp.arange(block_m) < m)[:, None]  # [block_m, 1]
     first = pl.program_id(2) * tiles_per_split
+    offset = unpack in ("bf16", "pairs")  # weights are 128 + q; fold takes 128 * sum(x) off
+
+    def weights(words, j, s, b, dtype):  # group j of the tile as the MMA operand [bn, g]
+        if unpack == "pairs":
+            return _bf16_offset_pairs(words, j, dtype)
+        if unpack == "bf16":
+            return _bf16_offset_fields(words, j, bits, dtype)
+        q = (words >> jnp.uint32(bits * j)) & jnp.uint32((1 << bits) - 1)  # [bn, g]
+        if unpack == "magic":
+            q = lax.bitcast_convert_type(q | jnp.uint32(_MAGIC), jnp.float32) - jnp.float32(2.0**23)
+        else:
+            q = q.astype(jnp.int32).astype(jnp.float32)
+        return q.astype(dtype) if fold else (q * s[:, None] + b[:, None]).astype(dtype)
 
     def body(t, acc):
         kt = first + t
-        words = w_ref[:, pl.ds(kt * group_size, group_size)]  # [bn, g] uint32
-        for j in range(per_word):
+        words = w_ref[:, pl.ds(kt * words_per_tile, words_per_tile)]  # [bn, words] uint32
+        for j in range(fields):
             x = plgpu.load(x_ref.at[:, pl.ds(kt * tile + j * group_size, group_size)], mask=row_mask, other=0)
-            q = (words >> jnp.uint32(bits * j)) & jnp.uint32((1 << bits) - 1)  # [bn, g]
-            if magic:
-                q = lax.bitcast_convert_type(q | jnp.uint32(_MAGIC), jnp.float32) - jnp.float32(2.0**23)
-            else:
-                q = q.astype(jnp.int32).astype(jnp.float32)
-            s = s_ref[kt * per_word + j, :].astype(jnp.float32)  # [bn]
-            b = b_ref[kt * per_word + j, :].astype(jnp.float32)
+            s = s_ref[kt * fields + j, :].astype(jnp.float32)  # [bn]
+            b = b_ref[kt * fields + j, :].astype(jnp.float32)
+            w = weights(words, j, s, b, x.dtype)
             if fold:
-                w = q.astype(x.dtype)
-            else:
-                w = (q * s[:, None] + b[:, None]).astype(x.dtype)
+                if sums_outside:
+                    xs = plgpu.load(xs_ref.at[:, kt * fields + j], mask=row_mask[:, 0], other=0)  # [bm]
+                else:
+                    xs = jnp.sum(x.astype(jnp.float32), axis=1)  # [bm]
+                if offset:  # s * (d - 128 xs) + b xs = s d + (b - 128 s) xs
+                    b = b - jnp.float32(128.0) * s
             if swap:  # [bn, bm]
                 d = lax.dot_general(w, x, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-                if fold:
-                    xs = jnp.sum(x.astype(jnp.float32), axis=1)  # [bm]
-                    d = d * s[:, None] + b[:, None] * xs[None, :]
+                if fold:  # two FMAs per output: (acc + d s) + b xs
+                    d, s, b, xs = d, s[:, None], b[:, None], xs[None, :]
             else:  # [bm, bn]
                 d = lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
                 if fold:
-                    xs = jnp.sum(x.astype(jnp.float32), axis=1)
-                    d = d * s[None, :] + xs[:, None] * b[None, :]
-            acc = acc + d
+                    d, s, b, xs = d, s[None, :], b[None, :], xs[:, None]
+            acc = acc + d * s + b * xs if fold else acc + d
         return acc
 
     shape = (block_n, block_m) if swap else (block_m, block_n)
@@ -333,7 +389,7 @@ def _check_tiled(x, weight, scales, biases, bits, group_size, bs: TiledBlockSize
     want = (k // group_size, n)
     if tuple(scales.shape) != want or tuple(biases.shape) != want:
         raise ValueError(f"{scales.shape=} and {biases.shape=} must both be {want} (kernel layout: transposed)")
-    tile = quant.kernel_tile(bits, group_size)
+    tile = tile_inputs(bits, group_size, bs.unpack)
     for name in ("block_m", "block_n"):
         v = getattr(bs, name)
         if v < 16 or v & (v - 1):
@@ -342,6 +398,10 @@ def _check_tiled(x, weight, scales, biases, bits, group_size, bs: TiledBlockSize
         raise ValueError(f"N={n} must be a multiple of block_n={bs.block_n}")
     if k % (tile * bs.split_k):
         raise ValueError(f"K={k} must be a multiple of tile*split_k={tile}*{bs.split_k}")
+    if bs.unpack not in ("convert", "magic", "bf16", "pairs"):
+        raise ValueError(f"unpack={bs.unpack!r} must be 'convert', 'magic', 'bf16' or 'pairs'")
+    if bs.unpack in ("bf16", "pairs") and not (bs.fold and bits == 4):
+        raise ValueError(f"unpack={bs.unpack!r} needs fold=True and bits=4 (128 + q exact in bf16), got {bs.fold=} {bits=}")
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_sizes", "interpret"))
@@ -364,16 +424,22 @@ def qmatmul_tiled(
     _check_tiled(x2, weight, scales, biases, bits, group_size, bs)
     m = x2.shape[0]
     split = bs.split_k
-    tiles_per_split = k // quant.kernel_tile(bits, group_size) // split
-    kernel = functools.partial(_tiled_kernel, m=m, bits=bits, group_size=group_size,
-                               tiles_per_split=tiles_per_split, swap=bs.swap, fold=bs.fold, magic=bs.magic)
+    tiles_per_split = k // tile_inputs(bits, group_size, bs.unpack) // split
+    sums = bs.fold and bs.sums_outside
+    kernel = functools.partial(_tiled_kernel, m=m, bits=bits, group_size=group_size, tiles_per_split=tiles_per_split,
+                               swap=bs.swap, fold=bs.fold, unpack=bs.unpack, sums_outside=sums)
     out_shape, out_spec = _split_output(m, n, x.dtype, bs)
     ng = k // group_size
+    rows_spec = [pl.BlockSpec((bs.block_m, k), lambda i, j, s: (i, 0))]
+    args = [x2]
+    if sums:
+        rows_spec.append(pl.BlockSpec((bs.block_m, ng), lambda i, j, s: (i, 0)))
+        args.append(group_sums(x2, group_size))
     out = pl.pallas_call(
         kernel,
         grid=(pl.cdiv(m, bs.block_m), n // bs.block_n, split),  # rows fastest: row blocks share a weight tile
         in_specs=[
-            pl.BlockSpec((bs.block_m, k), lambda i, j, s: (i, 0)),
+            *rows_spec,
             pl.BlockSpec((bs.block_n, weight.shape[1]), lambda i, j, s: (j, 0)),
             pl.BlockSpec((ng, bs.block_n), lambda i, j, s: (0, j)),
             pl.BlockSpec((ng, bs.block_n), lambda i, j, s: (0, j)),
@@ -383,7 +449,7 @@ def qmatmul_tiled(
         compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
         interpret=interpret,
         name="qmatmul_tiled",
-    )(x2, weight, scales, biases)
+    )(*args, weight, scales, biases)
     return _sum_splits(out, split, x.dtype).reshape(*x.shape[:-1], n)
 
 

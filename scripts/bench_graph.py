@@ -82,14 +82,20 @@ def qweights(n, k, count, seed):
     from tfjax import quant
 
     conv = jax.jit(lambda w, s, b: quant.to_kernel_layout(w, s, b, BITS, GROUP))
+    pair = jax.jit(lambda w, s, b: quant.to_pair_layout(w, s, b, BITS, GROUP))
     out = []
     for i in range(count):
         kw, ks, kb = jax.random.split(jax.random.key(seed * 1000 + i), 3)
         w = jax.random.bits(kw, (n, k * BITS // 32), jnp.uint32)
         s = (jax.random.uniform(ks, (n, k // GROUP)) * 0.01).astype(jnp.bfloat16)
         b = (jax.random.normal(kb, (n, k // GROUP)) * 0.05).astype(jnp.bfloat16)
-        out.append(((w, s, b), conv(w, s, b)))
+        out.append(((w, s, b), conv(w, s, b), pair(w, s, b)))  # MLX, kernel layout, pair layout
     return out
+
+
+def layout_of(policy) -> int:
+    """Which of qweights' layouts a tiled policy reads: 2 (pairs) or 1 (kernel layout)."""
+    return 2 if policy.get("unpack") == "pairs" else 1
 
 
 def qbytes(m, n, k):
@@ -107,8 +113,18 @@ def sweep_tiled():
     ]:  # fmt: skip
         out.append(dict(block_n=bn, swap=swap, fold=fold, num_warps=nw, num_stages=ns, programs=prog))
     # the unpack through 2^23's mantissa (no I2F; bit-identical, untimed before): on the two best of run 2
-    out += [dict(out[i], magic=True) for i in (1, 2)]
+    out += [dict(out[i], unpack="magic") for i in (1, 2)]
     return out
+
+
+def sweep_unpack():
+    """The unpack variants (2026-12-04): bf16 128 + q fields, then two weights a LOP3 (pair layout), by split and stages."""
+    base = dict(block_n=64, swap=True, fold=True, num_warps=4, num_stages=3, programs=264)
+    pairs = dict(base, unpack="pairs", sums_outside=True)
+    return [base, dict(base, unpack="magic"), dict(base, unpack="bf16"), dict(base, unpack="bf16", sums_outside=True),
+            pairs, dict(pairs, sums_outside=False), dict(pairs, programs=528), dict(pairs, programs=1056),
+            dict(pairs, num_stages=2), dict(pairs, num_stages=4), dict(pairs, programs=528, num_stages=4),
+            dict(pairs, block_n=128, num_warps=8), dict(pairs, block_n=128, num_warps=8, programs=528)]
 
 
 def tiled_bs(policy, n, k):
@@ -120,7 +136,7 @@ def tiled_bs(policy, n, k):
     return qm.TiledBlockSizes.for_weight(n, k, BITS, GROUP, block_n=bn, **p)
 
 
-def qmatmul_section(sweep: bool, ms=(1, 4, 16, 64)):
+def qmatmul_section(sweep: bool | str, ms=(1, 4, 16, 64)):
     import jax
     import jax.numpy as jnp
 
@@ -130,17 +146,19 @@ def qmatmul_section(sweep: bool, ms=(1, 4, 16, 64)):
     policy = dict(block_n=64, swap=True, fold=True, num_warps=4, num_stages=3, programs=264)  # run-2 sweep winner
     if sweep:
         scores = {}
+        candidates = sweep_unpack() if sweep == "unpack" else sweep_tiled()
         for name in ("mlp gate/up", "mlp down"):
             n, k = SHAPES[name]
             sets = qweights(n, k, 8, n + k)
             x = jax.random.normal(jax.random.key(3), (1, k), jnp.bfloat16)
             ref = qm.reference(x, *sets[0][0], bits=BITS, group_size=GROUP)
-            for i, pol in enumerate(sweep_tiled()):
+            for i, pol in enumerate(candidates):
                 bs = tiled_bs(pol, n, k)
                 f = lambda x, w, s, b, bs=bs: qm.qmatmul_tiled(x, w, s, b, bits=BITS, group_size=GROUP, block_sizes=bs)
+                lay = layout_of(pol)
                 try:
-                    err = rel_err(f(x, *sets[0][1]), ref)
-                    t = per_call(f, [(x, *s[1]) for s in sets])
+                    err = rel_err(f(x, *sets[0][lay]), ref)
+                    t = per_call(f, [(x, *s[lay]) for s in sets])
                 except Exception as e:  # a config Triton refuses is skipped, not fatal
                     print(f"  sweep {name} {pol}: failed {type(e).__name__}: {str(e)[:300]}", flush=True)
                     continue
@@ -149,8 +167,8 @@ def qmatmul_section(sweep: bool, ms=(1, 4, 16, 64)):
                 RESULTS.setdefault("qsweep", []).append(dict(shape=name, policy=pol, us=t * 1e6, frac=frac, err=err))
                 if err < 2e-2:
                     scores[i] = scores.get(i, 0.0) + t
-        both = [i for i in scores if sum(r["policy"] == sweep_tiled()[i] for r in RESULTS["qsweep"]) == 2]
-        policy = sweep_tiled()[min(both, key=scores.get)]
+        both = [i for i in scores if sum(r["policy"] == candidates[i] for r in RESULTS["qsweep"]) == 2]
+        policy = candidates[min(both, key=scores.get)]
         print(f"  best policy {policy}", flush=True)
     RESULTS["qpolicy"] = policy
     for name, (n, k) in SHAPES.items():
@@ -161,8 +179,9 @@ def qmatmul_section(sweep: bool, ms=(1, 4, 16, 64)):
             x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
             f = lambda x, w, s, b, bs=bs: qm.qmatmul_tiled(x, w, s, b, bits=BITS, group_size=GROUP, block_sizes=bs)
             g = lambda x, w, s, b: qm.reference(x, w, s, b, bits=BITS, group_size=GROUP)
-            err = rel_err(f(x, *sets[0][1]), g(x, *sets[0][0]))
-            t = per_call(f, [(x, *s[1]) for s in sets])
+            lay = layout_of(policy)
+            err = rel_err(f(x, *sets[0][lay]), g(x, *sets[0][0]))
+            t = per_call(f, [(x, *s[lay]) for s in sets])
             tr = per_call(g, [(x, *s[0]) for s in sets])
             rec = dict(shape=name, n=n, k=k, m=m, us=t * 1e6, xla_us=tr * 1e6, err=err, bs=dataclasses.asdict(bs))
             if name in ("mlp gate/up", "mlp down") and m in (1, 16):  # the run-1 kernel, for the notes
@@ -173,20 +192,20 @@ def qmatmul_section(sweep: bool, ms=(1, 4, 16, 64)):
                 qbytes(m, n, k) / t / 1e9, bw / 1e9, "GB/s")
     for name in ("mlp gate/up", "mlp down"):
         n, k = SHAPES[name]
-        bad = row_invariance(n, k, tiled_bs(policy, n, k))
+        bad = row_invariance(n, k, tiled_bs(policy, n, k), layout_of(policy))
         RESULTS[f"rows_{name}"] = bad[:20]
         print(f"  row invariance {name}: {'bit-identical' if not bad else f'{len(bad)} MISMATCHES {bad[:5]}'}",
               flush=True)
 
 
-def row_invariance(n, k, bs, rows=128):
+def row_invariance(n, k, bs, layout=1, rows=128):
     """Rows 1..rows, each inside batches of several M with fresh random neighbours, against the row alone."""
     import jax
     import jax.numpy as jnp
 
     from pallas_kernels import qmatmul as qm
 
-    (_, (w, s, b)), = qweights(n, k, 1, 99)  # fmt: skip
+    w, s, b = qweights(n, k, 1, 99)[0][layout]
     f = jax.jit(lambda x: qm.qmatmul_tiled(x, w, s, b, bits=BITS, group_size=GROUP, block_sizes=bs))
     x = jax.random.normal(jax.random.key(5), (rows, k), jnp.bfloat16)
     alone = np.stack([np.asarray(f(x[i : i + 1]))[0] for i in range(rows)])
@@ -572,6 +591,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sections", default="base,qmatmul,attention,prompt,decode,hf")
     ap.add_argument("--sweep", action="store_true", help="sweep tile configs first (qmatmul, attention)")
+    ap.add_argument("--qsweep", choices=["tiles", "unpack"], default="tiles",
+                    help="with --sweep: the qmatmul candidates (tile shapes, or the unpack variants)")
     ap.add_argument("--layers", type=int, default=0, help="decode: truncate the layer count (0 = all 64)")
     ap.add_argument("--decode-modes", default="reference,kernel", help="decode: the paths to time")
     ap.add_argument("--out", default=None)
@@ -599,7 +620,7 @@ def main():
                 if name == "base":
                     base()
                 elif name == "qmatmul":
-                    qmatmul_section(a.sweep)
+                    qmatmul_section(a.sweep and ("unpack" if a.qsweep == "unpack" else True))
                 elif name == "attention":
                     attention_section(a.sweep)
                 elif name == "delta":

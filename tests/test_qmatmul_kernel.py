@@ -176,9 +176,26 @@ def test_interpret_tiled_magic_unpack_gives_the_same_bits(fold):
     rng = np.random.default_rng(12)
     _, tiled = _tiled(rng, 32, 1024, 4, 64, jnp.float32)
     x = jnp.asarray(rng.standard_normal((5, 1024)), jnp.float32)
-    a, b = (qm.qmatmul_tiled(x, *tiled, block_sizes=dataclasses.replace(TILED, fold=fold, magic=mg), interpret=True)
-            for mg in (False, True))
+    a, b = (qm.qmatmul_tiled(x, *tiled, block_sizes=dataclasses.replace(TILED, fold=fold, unpack=u), interpret=True)
+            for u in ("convert", "magic"))
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("dtype,group_size", [(jnp.float32, 64), (jnp.bfloat16, 32), (jnp.bfloat16, 128)])
+def test_interpret_tiled_bf16_offset_unpack_matches_reference(dtype, group_size):
+    rng = np.random.default_rng(13)
+    k = 2 * quant.kernel_tile(4, group_size)
+    mlx, tiled = _tiled(rng, 32, k, 4, group_size, dtype)
+    x = jnp.asarray(rng.standard_normal((5, k)), dtype)
+    bs = dataclasses.replace(TILED, unpack="bf16")
+    y = qm.qmatmul_tiled(x, *tiled, group_size=group_size, block_sizes=bs, interpret=True)
+    conv = qm.qmatmul_tiled(x, *tiled, group_size=group_size, block_sizes=TILED, interpret=True)
+    r = qm.reference(x, *mlx, group_size=group_size)
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    assert _rel_err(y, r) < tol and _rel_err(y, conv) < tol
+    with pytest.raises(ValueError, match="fold=True"):
+        qm.qmatmul_tiled(x, *tiled, group_size=group_size, block_sizes=dataclasses.replace(bs, fold=False),
+                         interpret=True)
 
 
 def test_interpret_tiled_rows_bit_identical_whatever_m_and_neighbours():
@@ -206,6 +223,119 @@ def test_tiled_block_sizes_depend_on_weight_shape_only():
     bs = qm.TiledBlockSizes.for_weight(5120, 17408, 4, 64)
     assert (5120 // bs.block_n) * bs.split_k >= 160 and 34 % bs.split_k == 0
     assert qm.TiledBlockSizes.for_weight(17408, 5120, 4, 64).split_k == 1
+
+
+# --- the pair layout (`quant.to_pair_layout`) and `qmatmul_tiled(unpack="pairs")` ---
+PAIRS = dataclasses.replace(TILED, unpack="pairs", sums_outside=True)
+
+
+def _pairs(rng, n, k, group_size, dtype):
+    w, s, b = _weights(rng, n, k, 4, group_size, dtype)
+    return (w, s, b), quant.to_pair_layout(w, s, b, 4, group_size)
+
+
+def test_pair_layout_round_trips_and_puts_a_groups_neighbours_in_one_words_halves():
+    rng = np.random.default_rng(21)
+    (w, s, b), (pw, ps, pb) = _pairs(rng, 16, 512, 64, jnp.float32)
+    for x, y in zip(quant.from_pair_layout(pw, ps, pb, 4, 64), (w, s, b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    q = np.asarray(quant.unpack(w, 4)).reshape(16, 2, 4, 32, 2)  # [n, tile, group j, word i, neighbour]
+    fields = np.asarray(quant.unpack(pw, 4)).reshape(16, 2, 32, 2, 4)  # [n, tile, word i, half, j]
+    np.testing.assert_array_equal(fields, q.transpose(0, 1, 3, 4, 2))
+    with pytest.raises(ValueError, match="4-bit"):
+        quant.to_pair_layout(quant.pack(np.zeros((4, 512), np.uint32), 8), ps[:, :4].T, pb[:, :4].T, 8, 64)
+
+
+def test_bf16_offset_pairs_are_128_plus_q_in_k_order():
+    q = np.random.default_rng(22).integers(0, 16, (4, 256), dtype=np.uint32)
+    q[0, :2] = 0, 15  # both ends of the range
+    pw, _, _ = quant.to_pair_layout(quant.pack(q, 4), np.ones((4, 4), np.float32), np.ones((4, 4), np.float32))
+    for j in range(4):
+        got = qm._bf16_offset_pairs(jnp.asarray(pw), j, jnp.float32)
+        np.testing.assert_array_equal(np.asarray(got), 128.0 + q[:, j * 64 : (j + 1) * 64])
+
+
+@pytest.mark.parametrize("m,group_size,dtype,sums_outside", [
+    (1, 64, jnp.float32, True), (17, 32, jnp.float32, True), (5, 128, jnp.bfloat16, True), (3, 64, jnp.float32, False),
+])  # fmt: skip
+def test_interpret_tiled_pairs_match_reference(m, group_size, dtype, sums_outside):
+    rng = np.random.default_rng(m + group_size)
+    k = 2 * quant.pair_tile(group_size)
+    mlx, pairs = _pairs(rng, 32, k, group_size, dtype)
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    bs = dataclasses.replace(PAIRS, sums_outside=sums_outside)
+    y = qm.qmatmul_tiled(x, *pairs, group_size=group_size, block_sizes=bs, interpret=True)
+    r = qm.reference(x, *mlx, group_size=group_size)
+    assert y.shape == (m, 32) and _rel_err(y, r) < (1e-5 if dtype == jnp.float32 else 1e-2)
+
+
+def test_interpret_tiled_pairs_rows_bit_identical_whatever_m_and_neighbours():
+    rng = np.random.default_rng(23)
+    _, pairs = _pairs(rng, 32, 1024, 64, jnp.float32)
+    f = lambda x: np.asarray(qm.qmatmul_tiled(x, *pairs, block_sizes=PAIRS, interpret=True))
+    x = jnp.asarray(rng.standard_normal((17, 1024)), jnp.float32)
+    alone = np.stack([f(x[i : i + 1])[0] for i in (0, 16)])
+    np.testing.assert_array_equal(f(x)[[0, 16]], alone)
+
+
+def test_group_sums_of_a_row_do_not_depend_on_the_other_rows():
+    rng = np.random.default_rng(24)
+    x = jnp.asarray(rng.standard_normal((9, 256)), jnp.bfloat16)
+    sums = np.asarray(qm.group_sums(x, 64))
+    np.testing.assert_allclose(sums, np.asarray(x, np.float32).reshape(9, 4, 64).sum(-1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(qm.group_sums(x[4:5], 64))[0], sums[4])
+
+
+def test_ops_pair_layout_reference_path_equals_mlx_path_and_linears_take_it():
+    from flax import nnx
+
+    from tfjax import ops
+    from tfjax.models.layers import Linear, use_kernel_layout
+
+    rng = np.random.default_rng(25)
+    mlx, pairs = _pairs(rng, 48, 512, 64, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((2, 3, 512)), jnp.float32)
+    a = ops.qmatmul(x, *mlx, bits=4, group_size=64, rows=True)
+    b = ops.qmatmul(x, *pairs, bits=4, group_size=64, rows=True, layout="pairs")
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    lin = Linear(512, 48, quant=(4, 64), dtype=jnp.float32, rngs=nnx.Rngs(0))
+    lin8 = Linear(512, 48, quant=(8, 64), dtype=jnp.float32, rngs=nnx.Rngs(0))
+    before = lin(x)
+    assert use_kernel_layout(lin, pairs=True) == 1 and lin.layout == "pairs"
+    assert use_kernel_layout(lin8, pairs=True) == 1 and lin8.layout == "kernel"  # 8-bit: no pair layout
+    np.testing.assert_array_equal(np.asarray(lin(x)), np.asarray(before))
+
+
+def test_tiled_pairs_split_depends_on_weight_shape_only():
+    bs = qm.TiledBlockSizes.for_layout(17408, 5120, 4, 64, "pairs")
+    assert bs.unpack == "pairs" and bs.sums_outside and 20 % bs.split_k == 0
+    assert qm.TiledBlockSizes.for_layout(17408, 5120, 4, 64, "kernel").unpack == "convert"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,group_size", [(1, 64), (17, 32), (5, 128), (129, 64)])
+def test_gpu_tiled_pairs_match_reference(m, group_size):
+    rng = np.random.default_rng(m + 7)
+    mlx, pairs = _pairs(rng, 4096, 4096, group_size, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((m, 4096)), jnp.bfloat16)
+    bs = qm.TiledBlockSizes.for_layout(4096, 4096, 4, group_size, "pairs")
+    y = qm.qmatmul_tiled(x, *pairs, group_size=group_size, block_sizes=bs)
+    assert _rel_err(y, qm.reference(x, *mlx, group_size=group_size)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_tiled_pairs_rows_1_to_64_bit_identical():
+    rng = np.random.default_rng(26)
+    _, pairs = _pairs(rng, 5120, 6144, 64, jnp.bfloat16)
+    bs = qm.TiledBlockSizes.for_layout(5120, 6144, 4, 64, "pairs")
+    f = lambda x: np.asarray(qm.qmatmul_tiled(x, *pairs, block_sizes=bs)).view(np.uint16)
+    x = jnp.asarray(rng.standard_normal((64, 6144)), jnp.bfloat16)
+    alone = np.stack([f(x[i : i + 1])[0] for i in range(64)])
+    for m in (2, 5, 16, 33, 64):
+        others = jnp.asarray(rng.standard_normal((m, 6144)), jnp.bfloat16)
+        for start in range(0, 64, m):
+            idx = np.arange(start, min(start + m, 64))
+            np.testing.assert_array_equal(f(others.at[: len(idx)].set(x[idx]))[: len(idx)], alone[idx], err_msg=f"{m=}")
 
 
 # --- the GEMV layout (`quant.to_gemv_layout`) and `qmatmul_gemv` ---

@@ -57,6 +57,12 @@ def delta_kernel() -> bool:
     return use_kernels() and os.environ.get("TFJAX_DELTA_KERNEL", "1") != "0"
 
 
+def pair_layout() -> bool:
+    """4-bit Linears repacked into `quant.to_pair_layout` for the tiled kernel's two-weights-a-LOP3 unpack on GPU
+    (`TFJAX_PAIRS=1`; off by default until timed on the H200: the kernel layout and its I2F unpack)."""
+    return use_kernels() and os.environ.get("TFJAX_PAIRS", "0") != "0"
+
+
 def set_kernels(mode: str) -> None:
     """Force `kernel`, `reference` or `auto` dispatch (takes effect for new traces)."""
     global _FORCE
@@ -166,20 +172,22 @@ def matmul(x: jax.Array, w: jax.Array, *, rows: bool = False) -> jax.Array:
 
 def qmatmul(x: jax.Array, weight: jax.Array, scales: jax.Array, biases: jax.Array, *, bits: int,
             group_size: int, rows: bool = False, layout: str = "mlx") -> jax.Array:
-    """x [..., in] @ dequant(weight)[out, in].T for MLX affine weights, in the MLX or the kernel layout.
+    """x [..., in] @ dequant(weight)[out, in].T for MLX affine weights, in the MLX, kernel or pair layout.
 
-    Kernel layout (`quant.to_kernel_layout`): on GPU the row-invariant tiled kernel for lane-round rows
+    Kernel or pair layout (`quant.to_kernel_layout`, `quant.to_pair_layout`): on GPU the row-invariant tiled kernel for lane-round rows
     (any count) and for up to `KERNEL_MAX_ROWS` prompt rows; XLA's dequantize-then-dot elsewhere.
     """
     lead = x.shape[:-1]
-    if layout == "kernel":
+    if layout in ("kernel", "pairs"):
         if use_kernels() and (rows or math.prod(lead) <= KERNEL_MAX_ROWS):
             from pallas_kernels import qmatmul as qk
 
-            return qk.qmatmul_tiled(x, weight, scales, biases, bits=bits, group_size=group_size)
+            bs = qk.TiledBlockSizes.for_layout(weight.shape[0], x.shape[-1], bits, group_size, layout)
+            return qk.qmatmul_tiled(x, weight, scales, biases, bits=bits, group_size=group_size, block_sizes=bs)
         from tfjax import quant
 
-        w = quant.dequantize_kernel_layout(weight, scales, biases, bits=bits, group_size=group_size, dtype=x.dtype)
+        unpacked = quant.dequantize_kernel_layout if layout == "kernel" else quant.dequantize_pair_layout
+        w = unpacked(weight, scales, biases, bits=bits, group_size=group_size, dtype=x.dtype)
         return matmul(x, w, rows=rows)
     if use_kernels() and math.prod(lead) <= KERNEL_MAX_ROWS:  # prompts: XLA's dequantize-then-dot is faster
         from pallas_kernels import qmatmul as qk

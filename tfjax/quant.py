@@ -162,6 +162,48 @@ def dequantize_kernel_layout(weight, scales, biases, bits: int = 4, group_size: 
     return w.reshape(n, k).astype(scales.dtype if dtype is None else dtype)
 
 
+# --- The pair layout (4-bit): the kernel layout's sibling for ``qmatmul_tiled(unpack="pairs")`` ---
+# Within each K tile of ``4 * group_size`` inputs (``group_size // 2`` words a row), word ``i`` holds in
+# field ``j`` (0..3) the input ``j * group_size + 2i`` of the tile and in field ``j + 4`` the input
+# ``j * group_size + 2i + 1``. Fields j and j + 4 sit at bits 4j and 16 + 4j, so one shift, AND and OR of a
+# word gives two bf16 halves ``128 + q``, neighbours in K of one group, in the MMA operand's order.
+# Scales and biases transposed, ``[K // group_size, N]``, as in the kernel layout.
+
+
+def pair_tile(group_size: int) -> int:
+    """Inputs per K tile of the pair layout."""
+    return 4 * group_size
+
+
+def to_pair_layout(weight, scales, biases, bits: int = 4, group_size: int = 64):
+    """MLX 4-bit ``(weight [N, K/8], scales, biases [N, K/g])`` -> pair layout (weight same shape, s/b ``[K/g, N]``)."""
+    _check_group(group_size)
+    if bits != 4:
+        raise ValueError(f"the pair layout holds 4-bit weights only, got {bits=}")
+    xp = _xp(weight)
+    n, kw = weight.shape
+    k = kw * 8
+    if k % pair_tile(group_size):
+        raise ValueError(f"K={k} must be a multiple of {pair_tile(group_size)=} for the pair layout")
+    q = unpack(weight, 4).reshape(n, k // pair_tile(group_size), 4, group_size // 2, 2)
+    q = q.transpose(0, 1, 3, 4, 2).reshape(n, k)  # [tile, word i, half, j]: field 4 * half + j
+    return pack(q, 4), xp.asarray(scales).T, xp.asarray(biases).T
+
+
+def from_pair_layout(weight, scales, biases, bits: int = 4, group_size: int = 64):
+    """Inverse of ``to_pair_layout``."""
+    n, kw = weight.shape
+    k = kw * 8
+    q = unpack(weight, 4).reshape(n, k // pair_tile(group_size), group_size // 2, 2, 4)
+    return pack(q.transpose(0, 1, 4, 2, 3).reshape(n, k), 4), scales.T, biases.T
+
+
+def dequantize_pair_layout(weight, scales, biases, bits: int = 4, group_size: int = 64, dtype=None):
+    """``dequantize`` for weights in the pair layout."""
+    w, s, b = from_pair_layout(weight, scales, biases, bits, group_size)
+    return dequantize(w, s, b, bits, group_size, dtype)
+
+
 # --- The GEMV layout: made once at load time, read by `pallas_kernels.qmatmul.qmatmul_gemv` ---
 # The packed weight is stored transposed, ``[K * bits // 32, N]``, so a GPU thread's 16-byte load holds
 # 4 neighbouring outputs and a whole group's words sit in one thread (its dot needs no cross-thread sum).

@@ -52,7 +52,7 @@ class Linear(nnx.Module):
     def __init__(self, d_in: int, d_out: int, *, bias: bool = False, quant: tuple[int, int] | None = None,
                  dtype, rngs: nnx.Rngs):
         self.quant = quant
-        self.layout = "mlx"  # "kernel" after `use_kernel_layout` (static: part of the graphdef)
+        self.layout = "mlx"  # "kernel" or "pairs" after `use_kernel_layout` (static: part of the graphdef)
         if quant is None:
             w = jax.random.normal(rngs.params(), (d_out, d_in), jnp.float32) * (1.0 / d_in**0.5)
             self.weight = nnx.Param(w.astype(dtype))
@@ -153,12 +153,14 @@ def serving_layout(model: nnx.Module) -> tuple[int, int]:
     return fused, use_kernel_layout(model)
 
 
-def use_kernel_layout(model: nnx.Module) -> int:
-    """Repack every quantized Linear (not embedding tables) into `quant.to_kernel_layout` once, in place.
+def use_kernel_layout(model: nnx.Module, pairs: bool | None = None) -> int:
+    """Repack every quantized Linear (not embedding tables) for the tiled kernel once, in place: 4-bit ones into
+    `quant.to_pair_layout` when `pairs` (default `ops.pair_layout()`), the rest into `quant.to_kernel_layout`.
 
     Call after loading, before `nnx.split`; returns how many were repacked. Linears whose K is not a
-    multiple of the kernel tile keep the MLX layout (and its path).
+    multiple of the layout's tile keep the MLX layout (and its path).
     """
+    pairs = ops.pair_layout() if pairs is None else pairs
     from tfjax import quant
 
     tables = {id(m.table) for _, m in nnx.iter_modules(model) if isinstance(m, Embedding)}
@@ -167,11 +169,17 @@ def use_kernel_layout(model: nnx.Module) -> int:
         if not isinstance(m, Linear) or m.quant is None or m.layout != "mlx" or id(m) in tables:
             continue
         bits, group = m.quant
-        if (m.weight.shape[1] * 32 // bits) % quant.kernel_tile(bits, group) or m.weight.shape[0] % 16:
+        k = m.weight.shape[1] * 32 // bits
+        if m.weight.shape[0] % 16:
             continue
-        w, s, b = quant.to_kernel_layout(m.weight[...], m.scales[...], m.biases[...], bits, group)
+        if bits == 4 and pairs and k % quant.pair_tile(group) == 0:
+            m.layout, repack = "pairs", quant.to_pair_layout
+        elif k % quant.kernel_tile(bits, group) == 0:
+            m.layout, repack = "kernel", quant.to_kernel_layout
+        else:
+            continue
+        w, s, b = repack(m.weight[...], m.scales[...], m.biases[...], bits, group)
         m.weight, m.scales, m.biases = nnx.Param(w), nnx.Param(s), nnx.Param(b)
-        m.layout = "kernel"
         done += 1
     return done
 

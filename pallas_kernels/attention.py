@@ -39,6 +39,19 @@ class BlockSizes:
     chunk_k: int = 512  # keys per program; a multiple of block_k
     num_warps: int = 4
     num_stages: int = 2
+    # > 0: chunk_k is instead the fewest keys (block_k times a power of 2) that keep chunks x KV heads at or under
+    # this many programs, from the lane's span (its page table's width) and the KV heads alone, never from the
+    # rows or the lanes in a call, so row invariance holds: short contexts get many small chunks to fill the GPU
+    chunk_programs: int = 0
+
+    def chunk_for(self, span: int, kv_heads: int) -> int:
+        """Keys per program for a lane span of `span` keys."""
+        if not self.chunk_programs:
+            return self.chunk_k
+        chunk = self.block_k
+        while pl.cdiv(span, chunk) * kv_heads > self.chunk_programs:
+            chunk *= 2
+        return chunk
 
 
 def _paged_kernel(q_ref, pos_ref, pt_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, page, block_k, chunk_k, scale):
@@ -145,13 +158,14 @@ def paged_attention(
     pos = jnp.broadcast_to(positions[:, :, None], (b, t, r)).reshape(b, rows).astype(jnp.int32)
     pos = jnp.pad(pos, ((0, 0), (0, rows_pad - rows)), constant_values=-1)
     span = page_table.shape[1] * page  # keys a lane can hold
-    chunks = pl.cdiv(span, bs.chunk_k)
-    pt = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, chunks * bs.chunk_k // page - page_table.shape[1])))
+    chunk_k = bs.chunk_for(span, g)
+    chunks = pl.cdiv(span, chunk_k)
+    pt = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, chunks * chunk_k // page - page_table.shape[1])))
     pos = jnp.minimum(pos, span - 1)
     pt = jnp.clip(pt, 0, k_pages.shape[0] - 1)  # the engine marks unallocated pages with P: never load past the pool
     qb = rows_pad // bs.block_q
     p_total = k_pages.shape[0]
-    kernel = functools.partial(_paged_kernel, page=page, block_k=bs.block_k, chunk_k=bs.chunk_k, scale=e**-0.5)
+    kernel = functools.partial(_paged_kernel, page=page, block_k=bs.block_k, chunk_k=chunk_k, scale=e**-0.5)
     o, m, l = pl.pallas_call(
         kernel,
         grid=(qb, chunks, g, b),  # query blocks fastest: they share a chunk's keys in L2

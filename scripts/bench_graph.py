@@ -235,7 +235,7 @@ def kv_sets(ctx, count, g=4, e=256, page=16, seed=0):
     return out
 
 
-def attention_section(sweep: bool):
+def attention_section(sweep: bool | str):
     import jax
     import jax.numpy as jnp
 
@@ -244,7 +244,37 @@ def attention_section(sweep: bool):
     bw = RESULTS["copy_GBps"] * 1e9
     h, g, e = 24, 4, 256
     best = pa.BlockSizes()
-    if sweep:
+    if sweep == "chunks":  # chunk policies (from the lane's span) at every context: best geometric mean of fractions
+        cands = [pa.BlockSizes(), pa.BlockSizes(chunk_programs=264), pa.BlockSizes(chunk_programs=528),
+                 pa.BlockSizes(chunk_programs=1056), pa.BlockSizes(block_q=64, chunk_programs=528),
+                 pa.BlockSizes(block_k=32, num_stages=3, chunk_programs=528)]
+        logs = {}
+        for ctx in (2048, 16384, 65536):
+            kvb = 2 * ctx * g * e * 2
+            sets = kv_sets(ctx, max(2, min(8, math.ceil(256e6 / kvb))))
+            for t in (1, 8):
+                q = jax.random.normal(jax.random.key(t), (1, t, h, e), jnp.bfloat16)
+                pos = (ctx - t + jnp.arange(t, dtype=jnp.int32))[None]
+                ref = pa.reference(q, *sets[0], pos)
+                for i, bs in enumerate(cands):
+                    f = lambda q, kp, vp, pt, pos, bs=bs: pa.paged_attention(q, kp, vp, pt, pos, block_sizes=bs)
+                    try:
+                        err = rel_err(f(q, *sets[0], pos), ref)
+                        tt = per_call(f, [(q, *s, pos) for s in sets])
+                    except Exception as ex:
+                        print(f"  attn chunks {bs}: failed {type(ex).__name__}: {str(ex)[:300]}", flush=True)
+                        continue
+                    frac = kvb / tt / bw
+                    print(f"  attn chunks ctx {ctx} rows {t} {bs} chunk {bs.chunk_for(ctx, g)}: {tt * 1e6:.1f} us "
+                          f"{frac:.1%} err {err:.1e}", flush=True)
+                    RESULTS.setdefault("attn_sweep", []).append(dict(ctx=ctx, t=t, bs=dataclasses.asdict(bs),
+                                                                     us=tt * 1e6, err=err))
+                    if err < 2e-2:
+                        logs.setdefault(i, []).append(math.log(frac))
+        full = [i for i in logs if len(logs[i]) == 6]
+        best = cands[max(full, key=lambda i: sum(logs[i]))]
+        print(f"  best attention blocks {best}", flush=True)
+    elif sweep:
         ctx, t = 16384, 8
         sets = kv_sets(ctx, 4)
         q = jax.random.normal(jax.random.key(1), (1, t, h, e), jnp.bfloat16)
@@ -590,6 +620,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sections", default="base,qmatmul,attention,prompt,decode,hf")
     ap.add_argument("--sweep", action="store_true", help="sweep tile configs first (qmatmul, attention)")
+    ap.add_argument("--asweep", choices=["tiles", "chunks"], default="tiles",
+                    help="with --sweep: the attention candidates (tiles at 16k, or chunk policies at every context)")
     ap.add_argument("--qsweep", choices=["tiles", "unpack"], default="tiles",
                     help="with --sweep: the qmatmul candidates (tile shapes, or the unpack variants)")
     ap.add_argument("--layers", type=int, default=0, help="decode: truncate the layer count (0 = all 64)")
@@ -621,7 +653,7 @@ def main():
                 elif name == "qmatmul":
                     qmatmul_section(a.sweep and ("unpack" if a.qsweep == "unpack" else True))
                 elif name == "attention":
-                    attention_section(a.sweep)
+                    attention_section(a.sweep and ("chunks" if a.asweep == "chunks" else True))
                 elif name == "delta":
                     delta_section()
                 elif name == "prompt":

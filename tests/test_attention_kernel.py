@@ -57,6 +57,24 @@ def test_interpret_rows_bit_identical_to_each_row_alone():
         np.testing.assert_array_equal(f(q[:, i : i + 1], pos[:, i : i + 1])[:, 0], full[:, i], err_msg=f"row {i}")
 
 
+def test_chunk_policy_follows_the_span_and_kv_heads_only():
+    bs = pa.BlockSizes(block_k=64, chunk_programs=264)
+    assert [bs.chunk_for(span, 4) for span in (2048, 16384, 65536)] == [64, 256, 1024]
+    assert pa.BlockSizes(chunk_k=512).chunk_for(2048, 4) == 512  # a fixed chunk stays fixed
+
+
+def test_interpret_span_chunks_match_reference_and_keep_rows_bit_identical():
+    rng = np.random.default_rng(4)
+    bs = pa.BlockSizes(block_q=16, block_k=32, chunk_programs=4)  # 8 pages of 16, 2 KV heads: chunks of 64
+    args = _case(rng, 2, 5, 4, 2, 64, 8, 16, jnp.float32, [[60, 61, 62, 63, 64], [0, 1, 2, 3, 4]])
+    _check(args, bs, True, jnp.float32)
+    q, kp, vp, pt, pos = args
+    f = lambda q, pos: np.asarray(pa.paged_attention(q, kp, vp, pt, pos, block_sizes=bs, interpret=True))
+    full = f(q, pos)
+    for i in range(5):
+        np.testing.assert_array_equal(f(q[:, i : i + 1], pos[:, i : i + 1])[:, 0], full[:, i], err_msg=f"row {i}")
+
+
 def test_interpret_unallocated_pages_holding_nan_never_reach_a_row():
     """The engine marks a lane's unallocated pages with P (past the pool); what lies there can be NaN."""
     rng = np.random.default_rng(5)

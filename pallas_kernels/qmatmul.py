@@ -282,8 +282,8 @@ class TiledBlockSizes:
     @classmethod
     def for_layout(cls, n: int, k: int, bits: int, group_size: int, layout: str) -> TiledBlockSizes:
         """The dispatch's tiles for weights in `layout` ("kernel": `to_kernel_layout`, "pairs": `to_pair_layout`)."""
-        if layout == "pairs":
-            return cls.for_weight(n, k, bits, group_size, unpack="pairs", sums_outside=True)
+        if layout == "pairs":  # 528 programs: the H200 sweep's winner (docs/benchmarks.md, 2026-12-03 third run)
+            return cls.for_weight(n, k, bits, group_size, programs=528, unpack="pairs", sums_outside=True)
         return cls.for_weight(n, k, bits, group_size)
 
 

@@ -245,7 +245,7 @@ def attention_section(sweep: bool | str):
     h, g, e = 24, 4, 256
     best = pa.BlockSizes()
     if sweep == "chunks":  # chunk policies (from the lane's span) at every context: best geometric mean of fractions
-        cands = [pa.BlockSizes(), pa.BlockSizes(chunk_programs=264), pa.BlockSizes(chunk_programs=528),
+        cands = [pa.BlockSizes(chunk_programs=0), pa.BlockSizes(chunk_programs=264), pa.BlockSizes(chunk_programs=528),
                  pa.BlockSizes(chunk_programs=1056), pa.BlockSizes(block_q=64, chunk_programs=528),
                  pa.BlockSizes(block_k=32, num_stages=3, chunk_programs=528)]
         logs = {}

@@ -13,7 +13,7 @@ import pytest
 from pallas_kernels import attention as pa
 from tests.helpers import check_kernel, rel_err
 
-SMALL = pa.BlockSizes(block_q=16, block_k=32, chunk_k=64)
+SMALL = pa.BlockSizes(block_q=16, block_k=32, chunk_k=64, chunk_programs=0)  # fixed chunks
 
 
 def _case(rng, b, t, h, g, e, n, page, dtype, positions=None):
@@ -60,7 +60,8 @@ def test_interpret_rows_bit_identical_to_each_row_alone():
 def test_chunk_policy_follows_the_span_and_kv_heads_only():
     bs = pa.BlockSizes(block_k=64, chunk_programs=264)
     assert [bs.chunk_for(span, 4) for span in (2048, 16384, 65536)] == [64, 256, 1024]
-    assert pa.BlockSizes(chunk_k=512).chunk_for(2048, 4) == 512  # a fixed chunk stays fixed
+    assert pa.BlockSizes(chunk_k=512, chunk_programs=0).chunk_for(2048, 4) == 512  # a fixed chunk stays fixed
+    assert pa.BlockSizes().chunk_for(2048, 4) == 64  # the default sizes chunks from the span
 
 
 def test_interpret_span_chunks_match_reference_and_keep_rows_bit_identical():

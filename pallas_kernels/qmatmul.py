@@ -266,6 +266,11 @@ class TiledBlockSizes:
     # with fold: each group's sum(x) computed before the kernel (`group_sums`: elementwise adds in a fixed
     # order, row-invariant) instead of by every program for every field (~a third of the pairs kernel's SASS)
     sums_outside: bool = False
+    # the next tile's scales, biases (and group sums) loaded one tile ahead and carried: plain loads that Triton's
+    # pipeliner leaves alone otherwise wait a DRAM latency every tile (the same arithmetic: bit-identical)
+    prefetch: bool = False
+    # most K splits `for_weight` picks (more partials cost an [M, N] f32 each)
+    max_split: int = 8
 
     @classmethod
     def for_weight(cls, n: int, k: int, bits: int = 4, group_size: int = 64, programs: int = 264,
@@ -276,7 +281,7 @@ class TiledBlockSizes:
         tiles = k // tile_inputs(bits, group_size, kw.get("unpack", "convert"))
         divisors = [s for s in range(1, tiles + 1) if tiles % s == 0]
         split = next((s for s in divisors if (n // block_n) * s >= programs), divisors[-1])
-        split = min(split, max(d for d in divisors if d <= 8))  # more partials cost more than they feed
+        split = min(split, max(d for d in divisors if d <= kw.get("max_split", 8)))  # partials cost [M, N] f32 each
         return cls(block_n=block_n, split_k=split, **kw)
 
     @classmethod
@@ -319,7 +324,7 @@ def group_sums(x: jax.Array, group_size: int) -> jax.Array:
 
 
 def _tiled_kernel(x_ref, *refs, m, bits, group_size, tiles_per_split, swap, fold, unpack="convert",
-                  sums_outside=False):
+                  sums_outside=False, prefetch=False):
     # x_ref [block_m, K]; (xs_ref [block_m, K // group_size] f32 with sums_outside); w_ref [block_n, K * bits // 32]
     # uint32; s_ref, b_ref [K // group_size, block_n]; o_ref [block_m, block_n]
     xs_ref, w_ref, s_ref, b_ref, o_ref = refs if sums_outside else (None, *refs)
@@ -344,34 +349,50 @@ def _tiled_kernel(x_ref, *refs, m, bits, group_size, tiles_per_split, swap, fold
             q = q.astype(jnp.int32).astype(jnp.float32)
         return q.astype(dtype) if fold else (q * s[:, None] + b[:, None]).astype(dtype)
 
-    def body(t, acc):
-        kt = first + t
-        words = w_ref[:, pl.ds(kt * words_per_tile, words_per_tile)]  # [bn, words] uint32
+    def group_vectors(kt):  # per field of tile kt: its scales and biases [bn] (and group sums [bm])
+        out = []
         for j in range(fields):
+            g = kt * fields + j
+            xs = plgpu.load(xs_ref.at[:, g], mask=row_mask[:, 0], other=0) if sums_outside else None
+            out.append((s_ref[g, :], b_ref[g, :], xs))
+        return tuple(out)
+
+    def body(t, carry):
+        acc, vectors = carry
+        kt = first + t
+        if prefetch:  # the next tile's vectors load now and land during this tile's work (same arithmetic)
+            carry_on = group_vectors(jnp.minimum(kt + 1, first + tiles_per_split - 1))
+        else:
+            vectors, carry_on = group_vectors(kt), ()
+        words = w_ref[:, pl.ds(kt * words_per_tile, words_per_tile)]  # [bn, words] uint32
+        parts = []
+        for j in range(fields):  # every field's dot first, so the MMAs queue back to back before one wait
             x = plgpu.load(x_ref.at[:, pl.ds(kt * tile + j * group_size, group_size)], mask=row_mask, other=0)
-            s = s_ref[kt * fields + j, :].astype(jnp.float32)  # [bn]
-            b = b_ref[kt * fields + j, :].astype(jnp.float32)
+            s, b, xs = vectors[j]
+            s, b = s.astype(jnp.float32), b.astype(jnp.float32)  # [bn]
             w = weights(words, j, s, b, x.dtype)
-            if fold:
-                if sums_outside:
-                    xs = plgpu.load(xs_ref.at[:, kt * fields + j], mask=row_mask[:, 0], other=0)  # [bm]
-                else:
-                    xs = jnp.sum(x.astype(jnp.float32), axis=1)  # [bm]
-                if offset:  # s * (d - 128 xs) + b xs = s d + (b - 128 s) xs
-                    b = b - jnp.float32(128.0) * s
             if swap:  # [bn, bm]
                 d = lax.dot_general(w, x, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-                if fold:  # two FMAs per output: (acc + d s) + b xs
-                    d, s, b, xs = d, s[:, None], b[:, None], xs[None, :]
             else:  # [bm, bn]
                 d = lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-                if fold:
-                    d, s, b, xs = d, s[None, :], b[None, :], xs[:, None]
-            acc = acc + d * s + b * xs if fold else acc + d
-        return acc
+            parts.append((d, x, s, b, xs))
+        for d, x, s, b, xs in parts:  # then the folds, in field order (fixed: row-invariant)
+            if not fold:
+                acc = acc + d
+                continue
+            if not sums_outside:
+                xs = jnp.sum(x.astype(jnp.float32), axis=1)  # [bm]
+            if offset:  # s * (d - 128 xs) + b xs = s d + (b - 128 s) xs
+                b = b - jnp.float32(128.0) * s
+            if swap:  # two FMAs per output: (acc + d s) + b xs
+                acc = acc + d * s[:, None] + b[:, None] * xs[None, :]
+            else:
+                acc = acc + d * s[None, :] + xs[:, None] * b[None, :]
+        return acc, carry_on
 
     shape = (block_n, block_m) if swap else (block_m, block_n)
-    acc = lax.fori_loop(0, tiles_per_split, body, jnp.zeros(shape, jnp.float32))
+    init = (jnp.zeros(shape, jnp.float32), group_vectors(first) if prefetch else ())
+    acc, _ = lax.fori_loop(0, tiles_per_split, body, init)
     if swap:
         acc = acc.T
     plgpu.store(o_ref, acc.astype(o_ref.dtype), mask=row_mask)
@@ -427,7 +448,7 @@ def qmatmul_tiled(
     tiles_per_split = k // tile_inputs(bits, group_size, bs.unpack) // split
     sums = bs.fold and bs.sums_outside
     kernel = functools.partial(_tiled_kernel, m=m, bits=bits, group_size=group_size, tiles_per_split=tiles_per_split,
-                               swap=bs.swap, fold=bs.fold, unpack=bs.unpack, sums_outside=sums)
+                               swap=bs.swap, fold=bs.fold, unpack=bs.unpack, sums_outside=sums, prefetch=bs.prefetch)
     out_shape, out_spec = _split_output(m, n, x.dtype, bs)
     ng = k // group_size
     rows_spec = [pl.BlockSpec((bs.block_m, k), lambda i, j, s: (i, 0))]

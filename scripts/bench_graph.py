@@ -568,6 +568,22 @@ def decode_section(steps=20, context=2048, layers=0, modes=("reference", "kernel
     print(f"  kernel tokens == reference tokens: {RESULTS['decode_same_tokens']}", flush=True)
 
 
+def override_pairs_policy(kw: dict) -> None:
+    """Dispatch the pair layout with `TiledBlockSizes.for_weight(..., **kw)` keywords over the default ones."""
+    from pallas_kernels import qmatmul as qm
+
+    base = dict(programs=528, unpack="pairs", sums_outside=True)
+    default = qm.TiledBlockSizes.for_layout.__func__
+
+    def for_layout(cls, n, k, bits, group_size, layout):
+        if layout != "pairs":
+            return default(cls, n, k, bits, group_size, layout)
+        return cls.for_weight(n, k, bits, group_size, **{**base, **kw})
+
+    qm.TiledBlockSizes.for_layout = classmethod(for_layout)
+    print(f"  pairs policy {dict(base, **kw)}", flush=True)
+
+
 def profile_steps(step, ps, token, cache, pos, what, count=5):
     """Run `count` more steps under the profiler and print their kernels per step (scripts/profile_round.py)."""
     import jax
@@ -626,9 +642,13 @@ def main():
                     help="with --sweep: the qmatmul candidates (tile shapes, or the unpack variants)")
     ap.add_argument("--layers", type=int, default=0, help="decode: truncate the layer count (0 = all 64)")
     ap.add_argument("--decode-modes", default="reference,kernel", help="decode: the paths to time")
+    ap.add_argument("--pairs-policy", default="", help="decode: keywords replacing the pair layout's dispatch tiles, "
+                    "e.g. \"dict(programs=264, sums_outside=False)\" (A/B runs)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     sections = a.sections.split(",")
+    if a.pairs_policy:
+        override_pairs_policy(eval(a.pairs_policy))  # noqa: S307 (a benchmark's own flag)
     if sections == ["hf"]:
         hf_section()
         return

@@ -269,6 +269,17 @@ def test_interpret_tiled_pairs_match_reference(m, group_size, dtype, sums_outsid
     assert y.shape == (m, 32) and _rel_err(y, r) < (1e-5 if dtype == jnp.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("sums_outside,split", [(True, 2), (False, 1)])
+def test_interpret_tiled_prefetch_of_scales_is_bit_identical(sums_outside, split):
+    rng = np.random.default_rng(27)
+    _, pairs = _pairs(rng, 32, 1024, 64, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((3, 1024)), jnp.float32)
+    bs = dataclasses.replace(PAIRS, sums_outside=sums_outside, split_k=split)
+    a, b = (np.asarray(qm.qmatmul_tiled(x, *pairs, block_sizes=dataclasses.replace(bs, prefetch=p), interpret=True))
+            for p in (False, True))
+    np.testing.assert_array_equal(a, b)
+
+
 def test_interpret_tiled_pairs_rows_bit_identical_whatever_m_and_neighbours():
     rng = np.random.default_rng(23)
     _, pairs = _pairs(rng, 32, 1024, 64, jnp.float32)

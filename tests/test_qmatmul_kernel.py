@@ -225,6 +225,17 @@ def test_tiled_block_sizes_depend_on_weight_shape_only():
     assert qm.TiledBlockSizes.for_weight(17408, 5120, 4, 64).split_k == 1
 
 
+def _assert_rows_alone_equal_rows_in_batches(f, x, ms, rng):
+    """Each row of x computed alone equals, bit for bit, the same row inside batches of M with random neighbours."""
+    rows, k = x.shape
+    alone = np.stack([f(x[i : i + 1])[0] for i in range(rows)])
+    for m in ms:
+        others = jnp.asarray(rng.standard_normal((m, k)), x.dtype)
+        for start in range(0, rows, m):
+            idx = np.arange(start, min(start + m, rows))
+            np.testing.assert_array_equal(f(others.at[: len(idx)].set(x[idx]))[: len(idx)], alone[idx], err_msg=f"{m=}")
+
+
 # --- the pair layout (`quant.to_pair_layout`) and `qmatmul_tiled(unpack="pairs")` ---
 PAIRS = dataclasses.replace(TILED, unpack="pairs", sums_outside=True)
 
@@ -341,12 +352,7 @@ def test_gpu_tiled_pairs_rows_1_to_64_bit_identical():
     bs = qm.TiledBlockSizes.for_layout(5120, 6144, 4, 64, "pairs")
     f = lambda x: np.asarray(qm.qmatmul_tiled(x, *pairs, block_sizes=bs)).view(np.uint16)
     x = jnp.asarray(rng.standard_normal((64, 6144)), jnp.bfloat16)
-    alone = np.stack([f(x[i : i + 1])[0] for i in range(64)])
-    for m in (2, 5, 16, 33, 64):
-        others = jnp.asarray(rng.standard_normal((m, 6144)), jnp.bfloat16)
-        for start in range(0, 64, m):
-            idx = np.arange(start, min(start + m, 64))
-            np.testing.assert_array_equal(f(others.at[: len(idx)].set(x[idx]))[: len(idx)], alone[idx], err_msg=f"{m=}")
+    _assert_rows_alone_equal_rows_in_batches(f, x, (2, 5, 16, 33, 64), rng)
 
 
 # --- the GEMV layout (`quant.to_gemv_layout`) and `qmatmul_gemv` ---
@@ -487,12 +493,7 @@ def test_gpu_tiled_rows_1_to_128_bit_identical():
     _, tiled = _tiled(rng, 5120, 6144, 4, 64, jnp.bfloat16)
     f = lambda x: np.asarray(qm.qmatmul_tiled(x, *tiled)).view(np.uint16)
     x = jnp.asarray(rng.standard_normal((128, 6144)), jnp.bfloat16)
-    alone = np.stack([f(x[i : i + 1])[0] for i in range(128)])
-    for m in (2, 5, 16, 33, 128):
-        others = jnp.asarray(rng.standard_normal((m, 6144)), jnp.bfloat16)
-        for start in range(0, 128, m):
-            idx = np.arange(start, min(start + m, 128))
-            np.testing.assert_array_equal(f(others.at[: len(idx)].set(x[idx]))[: len(idx)], alone[idx], err_msg=f"{m=}")
+    _assert_rows_alone_equal_rows_in_batches(f, x, (2, 5, 16, 33, 128), rng)
 
 
 @pytest.mark.gpu
@@ -510,12 +511,7 @@ def test_gpu_gemv_rows_bit_identical_whatever_m():
     _, gemv = _gemv(rng, 5120, 6144, 4, 64, jnp.bfloat16)
     f = lambda x: np.asarray(qm.qmatmul_gemv(x, *gemv)).view(np.uint16)
     x = jnp.asarray(rng.standard_normal((64, 6144)), jnp.bfloat16)
-    alone = np.stack([f(x[i : i + 1])[0] for i in range(64)])
-    for m in (2, 5, 16, 17, 64):
-        others = jnp.asarray(rng.standard_normal((m, 6144)), jnp.bfloat16)
-        for start in range(0, 64, m):
-            idx = np.arange(start, min(start + m, 64))
-            np.testing.assert_array_equal(f(others.at[: len(idx)].set(x[idx]))[: len(idx)], alone[idx], err_msg=f"{m=}")
+    _assert_rows_alone_equal_rows_in_batches(f, x, (2, 5, 16, 17, 64), rng)
 
 
 @pytest.mark.parametrize("m,bits,group_size,ahead", [(1, 4, 64, 1), (6, 8, 32, 2), (9, 4, 128, 2), (2, 4, 64, 5)])

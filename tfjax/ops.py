@@ -175,8 +175,9 @@ def qmatmul(x: jax.Array, weight: jax.Array, scales: jax.Array, biases: jax.Arra
             group_size: int, rows: bool = False, layout: str = "mlx") -> jax.Array:
     """x [..., in] @ dequant(weight)[out, in].T for MLX affine weights, in the MLX, kernel or pair layout.
 
-    Kernel or pair layout (`quant.to_kernel_layout`, `quant.to_pair_layout`): on GPU the row-invariant tiled kernel for lane-round rows
-    (any count) and for up to `KERNEL_MAX_ROWS` prompt rows; XLA's dequantize-then-dot elsewhere.
+    Kernel or pair layout (`quant.to_kernel_layout`, `quant.to_pair_layout`): on GPU the row-invariant tiled
+    kernel for lane-round rows (any count) and for up to `KERNEL_MAX_ROWS` prompt rows; XLA's
+    dequantize-then-dot elsewhere.
     """
     lead = x.shape[:-1]
     if layout in ("kernel", "pairs"):

@@ -126,10 +126,20 @@ def sweep_unpack():
             dict(pairs, block_n=128, num_warps=8)]
 
 
+def sweep_options():
+    """The pair kernel's untimed options (2026-12-03): scales a tile ahead, K split up to 34 ways, sums in the kernel;
+    each twice, interleaved, since identical configs drifted up to 25% between runs."""
+    pairs = dict(block_n=64, swap=True, fold=True, num_warps=4, num_stages=3, programs=528, unpack="pairs",
+                 sums_outside=True)
+    options = [pairs, dict(pairs, prefetch=True), dict(pairs, programs=1056, max_split=34), dict(pairs, sums_outside=False)]
+    return options + [dict(o, again=True) for o in options]
+
+
 def tiled_bs(policy, n, k):
     from pallas_kernels import qmatmul as qm
 
     p = dict(policy)
+    p.pop("again", None)  # a repeat's marker only
     bn = p.pop("block_n")
     bn = next(b for b in (bn, 64, 32, 16) if n % b == 0)
     return qm.TiledBlockSizes.for_weight(n, k, BITS, GROUP, block_n=bn, **p)
@@ -145,7 +155,7 @@ def qmatmul_section(sweep: bool | str, ms=(1, 4, 16, 64)):
     policy = dict(block_n=64, swap=True, fold=True, num_warps=4, num_stages=3, programs=264)  # run-2 sweep winner
     if sweep:
         scores = {}
-        candidates = sweep_unpack() if sweep == "unpack" else sweep_tiled()
+        candidates = {"unpack": sweep_unpack, "options": sweep_options}.get(sweep, sweep_tiled)()
         for name in ("mlp gate/up", "mlp down"):
             n, k = SHAPES[name]
             sets = qweights(n, k, 8, n + k)
@@ -638,8 +648,9 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="sweep tile configs first (qmatmul, attention)")
     ap.add_argument("--asweep", choices=["tiles", "chunks"], default="tiles",
                     help="with --sweep: the attention candidates (tiles at 16k, or chunk policies at every context)")
-    ap.add_argument("--qsweep", choices=["tiles", "unpack"], default="tiles",
-                    help="with --sweep: the qmatmul candidates (tile shapes, or the unpack variants)")
+    ap.add_argument("--qsweep", choices=["tiles", "unpack", "options"], default="tiles",
+                    help="with --sweep: the qmatmul candidates (tile shapes, the unpack variants, or the pair "
+                    "kernel's options)")
     ap.add_argument("--layers", type=int, default=0, help="decode: truncate the layer count (0 = all 64)")
     ap.add_argument("--decode-modes", default="reference,kernel", help="decode: the paths to time")
     ap.add_argument("--pairs-policy", default="", help="decode: keywords replacing the pair layout's dispatch tiles, "
@@ -671,7 +682,7 @@ def main():
                 if name == "base":
                     base()
                 elif name == "qmatmul":
-                    qmatmul_section(a.sweep and ("unpack" if a.qsweep == "unpack" else True))
+                    qmatmul_section(a.sweep and (a.qsweep if a.qsweep != "tiles" else True))
                 elif name == "attention":
                     attention_section(a.sweep and ("chunks" if a.asweep == "chunks" else True))
                 elif name == "delta":

@@ -287,9 +287,14 @@ class TiledBlockSizes:
     @classmethod
     def for_layout(cls, n: int, k: int, bits: int, group_size: int, layout: str) -> TiledBlockSizes:
         """The dispatch's tiles for weights in `layout` ("kernel": `to_kernel_layout`, "pairs": `to_pair_layout`)."""
-        if layout == "pairs":  # 528 programs: the H200 sweep's winner (docs/benchmarks.md, 2026-12-03 third run)
-            return cls.for_weight(n, k, bits, group_size, programs=528, unpack="pairs", sums_outside=True)
+        if layout == "pairs":
+            return cls.for_weight(n, k, bits, group_size, **PAIRS_POLICY)
         return cls.for_weight(n, k, bits, group_size)
+
+
+# `for_weight` keywords of the pair layout's dispatch; 528 programs won the H200 sweep (docs/benchmarks.md,
+# 2026-12-03 third run)
+PAIRS_POLICY = dict(programs=528, unpack="pairs", sums_outside=True)
 
 
 def _bf16_offset_fields(words, j, bits, dtype):
@@ -365,8 +370,7 @@ def _tiled_kernel(x_ref, *refs, m, bits, group_size, tiles_per_split, swap, fold
         else:
             vectors, carry_on = group_vectors(kt), ()
         words = w_ref[:, pl.ds(kt * words_per_tile, words_per_tile)]  # [bn, words] uint32
-        parts = []
-        for j in range(fields):  # every field's dot first, so the MMAs queue back to back before one wait
+        for j in range(fields):
             x = plgpu.load(x_ref.at[:, pl.ds(kt * tile + j * group_size, group_size)], mask=row_mask, other=0)
             s, b, xs = vectors[j]
             s, b = s.astype(jnp.float32), b.astype(jnp.float32)  # [bn]
@@ -375,8 +379,6 @@ def _tiled_kernel(x_ref, *refs, m, bits, group_size, tiles_per_split, swap, fold
                 d = lax.dot_general(w, x, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
             else:  # [bm, bn]
                 d = lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-            parts.append((d, x, s, b, xs))
-        for d, x, s, b, xs in parts:  # then the folds, in field order (fixed: row-invariant)
             if not fold:
                 acc = acc + d
                 continue

@@ -44,6 +44,16 @@ def row(section, what, seconds, achieved, ceiling, unit):
     print(f"  {section} | {what} | {seconds * 1e6:.1f} us | {achieved:.0f} {unit} | {frac:.1%}", flush=True)
 
 
+def checked_time(label, f, sets, ref):
+    """(relative error of f on the first set against `ref`, seconds per call over `sets`), or None when the config
+    fails (a config Triton refuses is skipped, not fatal)."""
+    try:
+        return rel_err(f(*sets[0]), ref), per_call(f, sets)
+    except Exception as e:
+        print(f"  {label}: failed {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return None
+
+
 def rel_err(y, r):
     y, r = np.asarray(y, np.float64), np.asarray(r, np.float64)
     return float(np.linalg.norm(y - r) / np.linalg.norm(r))
@@ -129,8 +139,9 @@ def sweep_unpack():
 def sweep_options():
     """The pair kernel's untimed options (2026-12-03): scales a tile ahead, K split up to 34 ways, sums in the kernel;
     each twice, interleaved, since identical configs drifted up to 25% between runs."""
-    pairs = dict(block_n=64, swap=True, fold=True, num_warps=4, num_stages=3, programs=528, unpack="pairs",
-                 sums_outside=True)
+    from pallas_kernels import qmatmul as qm
+
+    pairs = dict(block_n=64, swap=True, fold=True, num_warps=4, num_stages=3, **qm.PAIRS_POLICY)  # the dispatch's
     options = [pairs, dict(pairs, prefetch=True), dict(pairs, programs=1056, max_split=34), dict(pairs, sums_outside=False)]
     return options + [dict(o, again=True) for o in options]
 
@@ -165,12 +176,10 @@ def qmatmul_section(sweep: bool | str, ms=(1, 4, 16, 64)):
                 bs = tiled_bs(pol, n, k)
                 f = lambda x, w, s, b, bs=bs: qm.qmatmul_tiled(x, w, s, b, bits=BITS, group_size=GROUP, block_sizes=bs)
                 lay = layout_of(pol)
-                try:
-                    err = rel_err(f(x, *sets[0][lay]), ref)
-                    t = per_call(f, [(x, *s[lay]) for s in sets])
-                except Exception as e:  # a config Triton refuses is skipped, not fatal
-                    print(f"  sweep {name} {pol}: failed {type(e).__name__}: {str(e)[:300]}", flush=True)
+                timed = checked_time(f"sweep {name} {pol}", f, [(x, *s[lay]) for s in sets], ref)
+                if timed is None:
                     continue
+                err, t = timed
                 frac = qbytes(1, n, k) / t / bw
                 print(f"  sweep {name} {bs}: {t * 1e6:.1f} us {frac:.1%} err {err:.1e}", flush=True)
                 RESULTS.setdefault("qsweep", []).append(dict(shape=name, policy=pol, us=t * 1e6, frac=frac, err=err))
@@ -268,12 +277,10 @@ def attention_section(sweep: bool | str):
                 ref = pa.reference(q, *sets[0], pos)
                 for i, bs in enumerate(cands):
                     f = lambda q, kp, vp, pt, pos, bs=bs: pa.paged_attention(q, kp, vp, pt, pos, block_sizes=bs)
-                    try:
-                        err = rel_err(f(q, *sets[0], pos), ref)
-                        tt = per_call(f, [(q, *s, pos) for s in sets])
-                    except Exception as ex:
-                        print(f"  attn chunks {bs}: failed {type(ex).__name__}: {str(ex)[:300]}", flush=True)
+                    timed = checked_time(f"attn chunks {bs}", f, [(q, *s, pos) for s in sets], ref)
+                    if timed is None:
                         continue
+                    err, tt = timed
                     frac = kvb / tt / bw
                     print(f"  attn chunks ctx {ctx} rows {t} {bs} chunk {bs.chunk_for(ctx, g)}: {tt * 1e6:.1f} us "
                           f"{frac:.1%} err {err:.1e}", flush=True)
@@ -296,12 +303,10 @@ def attention_section(sweep: bool | str):
                                    (16, 128, 1024, 8, 2), (64, 64, 1024, 8, 2)]:
             bs = pa.BlockSizes(bq, bk, ck, nw, ns)
             f = lambda q, kp, vp, pt, pos, bs=bs: pa.paged_attention(q, kp, vp, pt, pos, block_sizes=bs)
-            try:
-                err = rel_err(f(q, *sets[0], pos), ref)
-                tt = per_call(f, [(q, *s, pos) for s in sets])
-            except Exception as ex:
-                print(f"  attn sweep {bs}: failed {type(ex).__name__}: {str(ex)[:300]}", flush=True)
+            timed = checked_time(f"attn sweep {bs}", f, [(q, *s, pos) for s in sets], ref)
+            if timed is None:
                 continue
+            err, tt = timed
             kvb = 2 * ctx * g * e * 2
             print(f"  attn sweep {bs}: {tt * 1e6:.1f} us {kvb / tt / bw:.1%} err {err:.1e}", flush=True)
             RESULTS.setdefault("attn_sweep", []).append(dict(bs=dataclasses.asdict(bs), us=tt * 1e6, err=err))
@@ -582,7 +587,7 @@ def override_pairs_policy(kw: dict) -> None:
     """Dispatch the pair layout with `TiledBlockSizes.for_weight(..., **kw)` keywords over the default ones."""
     from pallas_kernels import qmatmul as qm
 
-    base = dict(programs=528, unpack="pairs", sums_outside=True)
+    base = qm.PAIRS_POLICY
     default = qm.TiledBlockSizes.for_layout.__func__
 
     def for_layout(cls, n, k, bits, group_size, layout):

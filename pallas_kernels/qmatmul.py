@@ -292,9 +292,9 @@ class TiledBlockSizes:
         return cls.for_weight(n, k, bits, group_size)
 
 
-# `for_weight` keywords of the pair layout's dispatch; 528 programs won the H200 sweep (docs/benchmarks.md,
-# 2026-12-03 third run)
-PAIRS_POLICY = dict(programs=528, unpack="pairs", sums_outside=True)
+# `for_weight` keywords of the pair layout's dispatch. With packed scales the kernel holds 85 registers, 5 programs
+# an SM; >= 1056 programs (2 waves) beat 528 (1.03 waves: a tail of 16) on the H200 (docs/benchmarks.md, fourth run)
+PAIRS_POLICY = dict(programs=1056, unpack="pairs", sums_outside=True)
 
 
 def _bf16_offset_fields(words, j, bits, dtype):
@@ -313,6 +313,11 @@ def _bf16_offset_pairs(words, j, dtype):
     return jnp.stack([lo, hi], axis=-1).reshape(words.shape[0], 2 * words.shape[1]).astype(dtype)
 
 
+def _bf16_half(words, shift):
+    """The bf16 held in bits [shift, shift + 16) of uint32 `words`."""
+    return lax.bitcast_convert_type(((words >> jnp.uint32(shift)) & jnp.uint32(0xFFFF)).astype(jnp.uint16), jnp.bfloat16)
+
+
 def tile_inputs(bits: int, group_size: int, unpack: str) -> int:
     """Inputs per K tile of the layout `unpack` reads (pairs: `quant.pair_tile`, else `quant.kernel_tile`)."""
     return quant.pair_tile(group_size) if unpack == "pairs" else quant.kernel_tile(bits, group_size)
@@ -329,12 +334,14 @@ def group_sums(x: jax.Array, group_size: int) -> jax.Array:
 
 
 def _tiled_kernel(x_ref, *refs, m, bits, group_size, tiles_per_split, swap, fold, unpack="convert",
-                  sums_outside=False, prefetch=False):
+                  sums_outside=False, prefetch=False, packed_scales=False):
     # x_ref [block_m, K]; (xs_ref [block_m, K // group_size] f32 with sums_outside); w_ref [block_n, K * bits // 32]
-    # uint32; s_ref, b_ref [K // group_size, block_n]; o_ref [block_m, block_n]
-    xs_ref, w_ref, s_ref, b_ref, o_ref = refs if sums_outside else (None, *refs)
+    # uint32; s_ref, b_ref [K // group_size, block_n] (with packed_scales one uint32 ref, `quant.pack_scale_bias`);
+    # o_ref [block_m, block_n]
+    refs = refs if sums_outside else (None, *refs)
+    xs_ref, w_ref, s_ref, b_ref, o_ref = (*refs[:3], None, refs[3]) if packed_scales else refs
     block_m = x_ref.shape[0]
-    block_n = w_ref.shape[0]
+    block_n = s_ref.shape[1]
     tile = tile_inputs(bits, group_size, unpack)
     fields = tile // group_size  # groups per tile: one per field (a field pair with "pairs")
     words_per_tile = tile * bits // 32
@@ -359,7 +366,11 @@ def _tiled_kernel(x_ref, *refs, m, bits, group_size, tiles_per_split, swap, fold
         for j in range(fields):
             g = kt * fields + j
             xs = plgpu.load(xs_ref.at[:, g], mask=row_mask[:, 0], other=0) if sums_outside else None
-            out.append((s_ref[g, :], b_ref[g, :], xs))
+            if packed_scales:  # one 32-bit load a column: Triton's pipeliner takes loads of >= 4 bytes a thread
+                sb = s_ref[g, :]
+                out.append((_bf16_half(sb, 0), _bf16_half(sb, 16), xs))
+            else:
+                out.append((s_ref[g, :], b_ref[g, :], xs))
         return tuple(out)
 
     def body(t, carry):
@@ -410,7 +421,11 @@ def _check_tiled(x, weight, scales, biases, bits, group_size, bs: TiledBlockSize
     if kw * 32 // bits != k:
         raise ValueError(f"{x.shape=} has K={k} but {weight.shape=} unpacks to K={kw * 32 // bits}")
     want = (k // group_size, n)
-    if tuple(scales.shape) != want or tuple(biases.shape) != want:
+    if biases is None:
+        if tuple(scales.shape) != want or scales.dtype != jnp.uint32:
+            raise ValueError(f"packed scales (biases=None) must be uint32 {want} (`quant.pack_scale_bias`), got "
+                             f"{scales.shape=} {scales.dtype=}")
+    elif tuple(scales.shape) != want or tuple(biases.shape) != want:
         raise ValueError(f"{scales.shape=} and {biases.shape=} must both be {want} (kernel layout: transposed)")
     tile = tile_inputs(bits, group_size, bs.unpack)
     for name in ("block_m", "block_n"):
@@ -439,7 +454,8 @@ def qmatmul_tiled(
     block_sizes: TiledBlockSizes | None = None,
     interpret: bool = False,
 ) -> jax.Array:
-    """``x [..., K] @ W.T -> [..., N]`` for W in `quant.to_kernel_layout`'s layout; row-invariant."""
+    """``x [..., K] @ W.T -> [..., N]`` for W in `quant.to_kernel_layout`'s or `to_pair_layout`'s layout; scales and
+    biases apart, or packed into one uint32 `scales` (`quant.pack_scale_bias`, biases=None); row-invariant."""
     n = weight.shape[0]
     k = x.shape[-1]
     bs = block_sizes or TiledBlockSizes.for_weight(n, k, bits, group_size)
@@ -449,8 +465,10 @@ def qmatmul_tiled(
     split = bs.split_k
     tiles_per_split = k // tile_inputs(bits, group_size, bs.unpack) // split
     sums = bs.fold and bs.sums_outside
+    packed = biases is None
     kernel = functools.partial(_tiled_kernel, m=m, bits=bits, group_size=group_size, tiles_per_split=tiles_per_split,
-                               swap=bs.swap, fold=bs.fold, unpack=bs.unpack, sums_outside=sums, prefetch=bs.prefetch)
+                               swap=bs.swap, fold=bs.fold, unpack=bs.unpack, sums_outside=sums, prefetch=bs.prefetch,
+                               packed_scales=packed)
     out_shape, out_spec = _split_output(m, n, x.dtype, bs)
     ng = k // group_size
     rows_spec = [pl.BlockSpec((bs.block_m, k), lambda i, j, s: (i, 0))]
@@ -464,15 +482,14 @@ def qmatmul_tiled(
         in_specs=[
             *rows_spec,
             pl.BlockSpec((bs.block_n, weight.shape[1]), lambda i, j, s: (j, 0)),
-            pl.BlockSpec((ng, bs.block_n), lambda i, j, s: (0, j)),
-            pl.BlockSpec((ng, bs.block_n), lambda i, j, s: (0, j)),
+            *[pl.BlockSpec((ng, bs.block_n), lambda i, j, s: (0, j))] * (1 if packed else 2),
         ],
         out_specs=out_spec,
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
         interpret=interpret,
         name="qmatmul_tiled",
-    )(*args, weight, scales, biases)
+    )(*args, weight, *([scales] if packed else [scales, biases]))
     return _sum_splits(out, split, x.dtype).reshape(*x.shape[:-1], n)
 
 

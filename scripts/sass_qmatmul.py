@@ -2,7 +2,7 @@
 
     pip install --target /tmp/tri triton==3.6.0      # the H200 image's Triton version; once
     PYTHONPATH=. python scripts/sass_qmatmul.py --kernel gemv --m 16 --kw "dict(groups_per_step=1)"
-        [--n 17408 --k 5120] [--triton /tmp/tri] [--keep /tmp/sass]
+        [--n 17408 --k 5120] [--packed] [--triton /tmp/tri] [--keep /tmp/sass]
 
 No device time: jax lowers the kernel to Triton IR for the "cuda" platform (export on the CPU), the
 text of that module is compiled by the pip Triton (TTGIR, PTX, cubin), then its own ptxas -v reports
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax import export
 
 
-def triton_module_text(kernel: str, n: int, k: int, m: int, kw: dict) -> str:
+def triton_module_text(kernel: str, n: int, k: int, m: int, kw: dict, packed: bool = False) -> str:
     """The Triton IR of the kernel as text (pallas_call's debug print, captured), locations dropped."""
     from jax.experimental import pallas as pl
 
@@ -38,8 +38,9 @@ def triton_module_text(kernel: str, n: int, k: int, m: int, kw: dict) -> str:
         fn, bs, wshape = qm.qmatmul_gemv, qm.GemvBlockSizes.for_weight(n, k, **kw), (k // 8, n)
     else:
         fn, bs, wshape = qm.qmatmul_tiled, qm.TiledBlockSizes.for_weight(n, k, 4, 64, **kw), (n, k // 8)
-    args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct(wshape, jnp.uint32),
-            jax.ShapeDtypeStruct((k // 64, n), jnp.bfloat16), jax.ShapeDtypeStruct((k // 64, n), jnp.bfloat16))
+    sb = jax.ShapeDtypeStruct((k // 64, n), jnp.uint32 if packed else jnp.bfloat16)
+    args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct(wshape, jnp.uint32), sb,
+            None if packed else jax.ShapeDtypeStruct((k // 64, n), jnp.bfloat16))
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         try:
@@ -72,10 +73,11 @@ def main():
     ap.add_argument("--kw", default="{}", help="block-size keywords, e.g. \"dict(groups_per_step=1)\"")
     ap.add_argument("--triton", default="/tmp/tri", help="where pip put triton (--target)")
     ap.add_argument("--keep", default="/tmp/sass", help="folder for the .ttir/.ttgir/.ptx/.cubin/.sass")
+    ap.add_argument("--packed", action="store_true", help="scales and biases as one uint32 array (tiled)")
     a = ap.parse_args()
-    ttir, bs = triton_module_text(a.kernel, a.n, a.k, a.m, eval(a.kw))  # noqa: S307 (a local tool)
+    ttir, bs = triton_module_text(a.kernel, a.n, a.k, a.m, eval(a.kw), a.packed)  # noqa: S307 (a local tool)
     os.makedirs(a.keep, exist_ok=True)
-    stem = os.path.join(a.keep, f"{a.kernel}_m{a.m}")
+    stem = os.path.join(a.keep, f"{a.kernel}_m{a.m}" + "_packed" * a.packed)
     with open(stem + ".ttir", "w") as f:
         f.write(ttir)
     sys.path.insert(0, a.triton)

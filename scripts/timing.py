@@ -19,3 +19,27 @@ def median_time(fn, args, reps: int = 20) -> float:
         jax.block_until_ready(fn(*args))
         ts.append(time.perf_counter() - t0)
     return float(np.median(ts))
+
+
+def device_time(fn, args, match: str, calls: int = 3) -> float:
+    """Median device seconds of the kernel launches whose name holds `match` during `calls` calls of `fn(*args)`
+    (JAX profiler; compiled and warm first). Unlike `median_time`, launch gaps on the host don't count."""
+    import gzip
+    import json
+    import tempfile
+    from pathlib import Path
+
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    folder = Path(tempfile.mkdtemp(prefix="device_time_"))
+    with jax.profiler.trace(str(folder)):
+        for _ in range(calls):
+            jax.block_until_ready(fn(*args))
+    trace = json.loads(gzip.decompress(max(folder.rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
+                                       .read_bytes()))
+    gpu = {e["pid"] for e in trace.get("traceEvents", []) if e.get("ph") == "M" and e.get("name") == "process_name"
+           and "gpu" in e["args"]["name"].lower()}
+    durs = [float(e["dur"]) for e in trace.get("traceEvents", [])
+            if e.get("ph") == "X" and e.get("pid") in gpu and match in e.get("name", "")]
+    return float(np.median(durs)) * 1e-6 if durs else float("nan")

@@ -291,6 +291,30 @@ def test_interpret_tiled_prefetch_of_scales_is_bit_identical(sums_outside, split
     np.testing.assert_array_equal(a, b)
 
 
+def test_pack_scale_bias_round_trips_bf16_bits_and_refuses_f32():
+    rng = np.random.default_rng(31)
+    s, b = (jnp.asarray(rng.standard_normal((5, 8)), jnp.bfloat16) for _ in range(2))
+    packed = quant.pack_scale_bias(s, b)
+    assert packed.dtype == jnp.uint32
+    for got, want in zip(quant.unpack_scale_bias(packed), (s, b), strict=True):
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+    with pytest.raises(ValueError, match="bf16"):
+        quant.pack_scale_bias(s.astype(jnp.float32), b.astype(jnp.float32))
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_interpret_tiled_pairs_packed_scales_give_the_same_bits(prefetch):
+    rng = np.random.default_rng(33)
+    _, (w, s, b) = _pairs(rng, 64, 1024, 64, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((5, 1024)), jnp.bfloat16)
+    bs = dataclasses.replace(PAIRS, block_n=32, split_k=2, prefetch=prefetch)
+    want = qm.qmatmul_tiled(x, w, s, b, block_sizes=bs, interpret=True)
+    got = qm.qmatmul_tiled(x, w, quant.pack_scale_bias(s, b), None, block_sizes=bs, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+    with pytest.raises(ValueError, match="packed scales"):
+        qm.qmatmul_tiled(x, w, s, None, block_sizes=bs, interpret=True)
+
+
 def test_interpret_tiled_pairs_rows_bit_identical_whatever_m_and_neighbours():
     rng = np.random.default_rng(23)
     _, pairs = _pairs(rng, 32, 1024, 64, jnp.float32)
@@ -328,6 +352,25 @@ def test_ops_pair_layout_reference_path_equals_mlx_path_and_linears_take_it():
     np.testing.assert_array_equal(np.asarray(lin(x)), np.asarray(before))
 
 
+def test_bf16_pair_linears_pack_their_scales_and_give_the_same_bits(monkeypatch):
+    from flax import nnx
+
+    from tfjax.models.layers import Linear, use_kernel_layout
+
+    x = jnp.asarray(np.random.default_rng(26).standard_normal((3, 512)), jnp.bfloat16)
+    lins = []
+    for pack in ("1", "0"):
+        monkeypatch.setenv("TFJAX_PACK_SCALES", pack)
+        lin = Linear(512, 48, quant=(4, 64), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        lin.scales = nnx.Param(jnp.asarray(np.random.default_rng(27).uniform(0, 0.01, (48, 8)), jnp.bfloat16))
+        before = lin(x)
+        assert use_kernel_layout(lin, pairs=True) == 1
+        np.testing.assert_array_equal(np.asarray(lin(x)).view(np.uint16), np.asarray(before).view(np.uint16))
+        lins.append(lin)
+    assert lins[0].biases is None and lins[0].scales.dtype == jnp.uint32
+    assert lins[1].biases is not None and lins[1].scales.dtype == jnp.bfloat16
+
+
 def test_tiled_pairs_split_depends_on_weight_shape_only():
     bs = qm.TiledBlockSizes.for_layout(17408, 5120, 4, 64, "pairs")
     assert bs.unpack == "pairs" and bs.sums_outside and 20 % bs.split_k == 0
@@ -346,9 +389,21 @@ def test_gpu_tiled_pairs_match_reference(m, group_size):
 
 
 @pytest.mark.gpu
+def test_gpu_tiled_pairs_packed_scales_give_the_same_bits():
+    rng = np.random.default_rng(28)
+    _, (w, s, b) = _pairs(rng, 4096, 4096, 64, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((20, 4096)), jnp.bfloat16)
+    bs = qm.TiledBlockSizes.for_layout(4096, 4096, 4, 64, "pairs")
+    want = np.asarray(qm.qmatmul_tiled(x, w, s, b, block_sizes=bs)).view(np.uint16)
+    got = np.asarray(qm.qmatmul_tiled(x, w, quant.pack_scale_bias(s, b), None, block_sizes=bs)).view(np.uint16)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.gpu
 def test_gpu_tiled_pairs_rows_1_to_64_bit_identical():
     rng = np.random.default_rng(26)
-    _, pairs = _pairs(rng, 5120, 6144, 64, jnp.bfloat16)
+    _, (w, s, b) = _pairs(rng, 5120, 6144, 64, jnp.bfloat16)
+    pairs = (w, quant.pack_scale_bias(s, b), None)  # as the serving layout holds them
     bs = qm.TiledBlockSizes.for_layout(5120, 6144, 4, 64, "pairs")
     f = lambda x: np.asarray(qm.qmatmul_tiled(x, *pairs, block_sizes=bs)).view(np.uint16)
     x = jnp.asarray(rng.standard_normal((64, 6144)), jnp.bfloat16)

@@ -204,6 +204,25 @@ def dequantize_pair_layout(weight, scales, biases, bits: int = 4, group_size: in
     return dequantize(w, s, b, bits, group_size, dtype)
 
 
+def pack_scale_bias(scales, biases):
+    """bf16 ``scales, biases`` -> one uint32 array of their bits (scale low, bias high): one load for both."""
+    xp = _xp(scales)
+    if scales.dtype != biases.dtype or str(scales.dtype) != "bfloat16":
+        raise ValueError(f"packing needs bf16 scales and biases, got {scales.dtype} and {biases.dtype}")
+    lo = xp.asarray(scales).view(xp.uint16).astype(xp.uint32)
+    hi = xp.asarray(biases).view(xp.uint16).astype(xp.uint32)
+    return lo | (hi << 16)
+
+
+def unpack_scale_bias(packed):
+    """Inverse of ``pack_scale_bias``: ``(scales, biases)`` in bf16."""
+    xp = _xp(packed)
+    bf16 = jnp.bfloat16
+    lo = (packed & 0xFFFF).astype(xp.uint16).view(bf16)
+    hi = (packed >> 16).astype(xp.uint16).view(bf16)
+    return lo, hi
+
+
 # --- The GEMV layout: made once at load time, read by `pallas_kernels.qmatmul.qmatmul_gemv` ---
 # The packed weight is stored transposed, ``[K * bits // 32, N]``, so a GPU thread's 16-byte load holds
 # 4 neighbouring outputs and a whole group's words sit in one thread (its dot needs no cross-thread sum).

@@ -68,7 +68,8 @@ class Linear(nnx.Module):
             y = ops.matmul(x, self.weight[...], rows=rows)
         else:
             bits, group = self.quant
-            y = ops.qmatmul(x, self.weight[...], self.scales[...], self.biases[...], bits=bits,
+            biases = None if self.biases is None else self.biases[...]  # None: packed into scales
+            y = ops.qmatmul(x, self.weight[...], self.scales[...], biases, bits=bits,
                             group_size=group, rows=rows, layout=self.layout)
         if self.bias is not None:
             y = y + self.bias[...].astype(y.dtype)
@@ -158,7 +159,8 @@ def use_kernel_layout(model: nnx.Module, pairs: bool | None = None) -> int:
     `quant.to_pair_layout` when `pairs` (default `ops.pair_layout()`), the rest into `quant.to_kernel_layout`.
 
     Call after loading, before `nnx.split`; returns how many were repacked. Linears whose K is not a
-    multiple of the layout's tile keep the MLX layout (and its path).
+    multiple of the layout's tile keep the MLX layout (and its path). Pair-layout bf16 scales and biases are
+    packed into one uint32 `scales` (`biases` None) unless `TFJAX_PACK_SCALES=0`.
     """
     pairs = ops.pair_layout() if pairs is None else pairs
     from tfjax import quant
@@ -180,6 +182,8 @@ def use_kernel_layout(model: nnx.Module, pairs: bool | None = None) -> int:
             continue
         w, s, b = repack(m.weight[...], m.scales[...], m.biases[...], bits, group)
         m.weight, m.scales, m.biases = nnx.Param(w), nnx.Param(s), nnx.Param(b)
+        if m.layout == "pairs" and ops.pack_scales() and s.dtype == jnp.bfloat16:
+            m.scales, m.biases = nnx.Param(quant.pack_scale_bias(s, b)), None
         done += 1
     return done
 

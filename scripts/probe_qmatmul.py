@@ -1,0 +1,130 @@
+"""Where the 4-bit matmul's time goes on the GPU: the pair kernel beside load-only probes of its tiling.
+
+    PYTHONPATH=. python3 scripts/probe_qmatmul.py [--shapes 17408x5120,5120x17408] [--only probes|kernels]
+    XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none -k regex:'qmatmul|probe' \
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+        python3 scripts/probe_qmatmul.py --ncu
+
+A probe streams the packed weight [N, K/8] through the same grid and tile as the kernel and only XORs the
+words together (one op a word): its time is what the layout and the grid allow the loads; the kernel's
+time above it is what the unpack, the MMAs and the scales cost. XLA's own reduction of the weight is the
+ceiling at that size. Each config prints the wall time per call (one jitted program cycling through 8
+weight sets, median: it includes the launch gaps) and the device time per kernel launch (JAX profiler
+over the same program, so L2 holds none of the sets). `--ncu` runs each config twice and times nothing
+(for the profiler: without preallocation its replay does not back up the whole GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from timing import device_time, median_time
+
+from pallas_kernels import qmatmul as qm
+from tfjax import quant
+
+
+def _probe_kernel(w_ref, o_ref, *, block_n, words_per_step, steps):
+    first = pl.program_id(1) * steps
+
+    def body(t, acc):
+        return acc ^ w_ref[:, pl.ds((first + t) * words_per_step, words_per_step)]
+
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((block_n, words_per_step), jnp.uint32))
+    o_ref[...] = jnp.sum(acc.astype(jnp.float32), axis=1)  # the value is never checked, only that it is read
+
+
+@functools.partial(jax.jit, static_argnames=("block_n", "words_per_step", "split", "num_warps", "num_stages",
+                                             "interpret"))
+def probe(w, *, block_n, words_per_step, split, num_warps=4, num_stages=3, interpret=False):
+    """Stream `w [N, KW]` in [block_n, words_per_step] tiles, `split` programs along K per column block."""
+    n, kw = w.shape
+    steps = kw // words_per_step // split
+    kernel = functools.partial(_probe_kernel, block_n=block_n, words_per_step=words_per_step, steps=steps)
+    return pl.pallas_call(
+        kernel,
+        grid=(n // block_n, split),
+        in_specs=[pl.BlockSpec((block_n, kw), lambda j, s: (j, 0))],
+        out_specs=pl.BlockSpec((None, block_n), lambda j, s: (s, j)),
+        out_shape=jax.ShapeDtypeStruct((split, n), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="probe_loads",
+    )(w)
+
+
+PROBES = [  # (block_n, words_per_step, split, num_warps, num_stages)
+    (64, 32, 2, 4, 3),  # the pair kernel's tile, split 2 (N = 17408 at 528 programs)
+    (64, 32, 4, 4, 3),
+]
+KERNELS = [  # (PAIRS_POLICY overrides, packed scales)
+    (dict(programs=528), False),  # the dispatch before packed scales
+    (dict(programs=528), True),
+    ({}, True),  # the dispatch now
+    (dict(num_stages=4), True),
+    (dict(sums_outside=False), True),
+]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="17408x5120,5120x17408")
+    ap.add_argument("--only", choices=["probes", "kernels", "all"], default="all")
+    ap.add_argument("--ncu", action="store_true")
+    a = ap.parse_args()
+    print(jax.devices()[0].device_kind, jax.__version__, flush=True)
+    from bench_graph import qweights
+
+    for shape in a.shapes.split(","):
+        n, k = map(int, shape.split("x"))
+        sets = [s[2] for s in qweights(n, k, 1 if a.ncu else 8, n + k)]  # pair layout
+        x = jax.random.normal(jax.random.key(3), (1, k), jnp.bfloat16)
+        mb = sum(t.nbytes for t in sets[0]) / 1e6
+        t0 = time.perf_counter()
+        xla = jax.jit(lambda w: jnp.bitwise_xor.reduce(w, axis=1))
+        report(a.ncu, f"xla-reduce {shape}", xla, [(w,) for w, _, _ in sets], sets[0][0].nbytes / 1e6, t0)
+        for p in PROBES if a.only != "kernels" else []:
+            bn, wps, split, nw, ns = p
+            f = functools.partial(probe, block_n=bn, words_per_step=wps, split=split, num_warps=nw, num_stages=ns)
+            report(a.ncu, f"probe {shape} {p}", f, [(w,) for w, _, _ in sets], sets[0][0].nbytes / 1e6,
+                   time.perf_counter())
+        ref = qm.reference(x, *quant.from_pair_layout(*sets[0]), bits=4, group_size=64)
+        for kw, packed in KERNELS if a.only != "probes" else []:
+            bs = qm.TiledBlockSizes.for_weight(n, k, 4, 64, **{**qm.PAIRS_POLICY, **kw})
+            f = functools.partial(qm.qmatmul_tiled, x, bits=4, group_size=64, block_sizes=bs)
+            ws = [(w, *((quant.pack_scale_bias(s, b), None) if packed else (s, b))) for w, s, b in sets]
+            label = f"pairs {shape} {kw}{' packed' * packed} split {bs.split_k} programs {n // bs.block_n * bs.split_k}"
+            t = time.perf_counter()
+            if not a.ncu:
+                err = float(jnp.linalg.norm((f(*ws[0]) - ref).astype(jnp.float32)) / jnp.linalg.norm(ref.astype(jnp.float32)))
+                label += f" err {err:.1e}"
+            report(a.ncu, label, f, ws, mb, t)
+
+
+def report(ncu, label, f, sets, mb, t0):
+    try:
+        if ncu:
+            for _ in range(2):
+                jax.block_until_ready(f(*sets[0]))
+            print(f"  {label}: ran twice [{time.perf_counter() - t0:.1f} s]", flush=True)
+            return
+        g = jax.jit(lambda sets: [f(*s) for s in sets])
+        t = median_time(g, (sets,), 20) / len(sets)
+        dev = device_time(g, (sets,), {"probe": "probe", "pairs": "qmatmul"}.get(label.split()[0], "reduce")) * 1e6
+        print(f"  {label}: wall {t * 1e6:.1f} us ({mb / t / 1e3:.0f} GB/s), device {dev:.1f} us "
+              f"({mb / dev * 1e3:.0f} GB/s) [{time.perf_counter() - t0:.1f} s]", flush=True)
+    except Exception as e:  # a config Triton refuses is reported, not fatal
+        print(f"  {label}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

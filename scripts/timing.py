@@ -21,9 +21,10 @@ def median_time(fn, args, reps: int = 20) -> float:
     return float(np.median(ts))
 
 
-def device_time(fn, args, match: str, calls: int = 3) -> float:
-    """Median device seconds of the kernel launches whose name holds `match` during `calls` calls of `fn(*args)`
-    (JAX profiler; compiled and warm first). Unlike `median_time`, launch gaps on the host don't count."""
+def device_time(fn, args, match: str | None, calls: int = 3, per_call: int = 1) -> float:
+    """Device seconds from the JAX profiler over `calls` calls of `fn(*args)` (compiled and warm first): the median
+    launch of the kernels whose name holds `match`, or with `match=None` all kernels' time per call divided by
+    `per_call` (ops a call applies). Unlike `median_time`, launch gaps on the host don't count."""
     import gzip
     import json
     import tempfile
@@ -41,5 +42,7 @@ def device_time(fn, args, match: str, calls: int = 3) -> float:
     gpu = {e["pid"] for e in trace.get("traceEvents", []) if e.get("ph") == "M" and e.get("name") == "process_name"
            and "gpu" in e["args"]["name"].lower()}
     durs = [float(e["dur"]) for e in trace.get("traceEvents", [])
-            if e.get("ph") == "X" and e.get("pid") in gpu and match in e.get("name", "")]
-    return float(np.median(durs)) * 1e-6 if durs else float("nan")
+            if e.get("ph") == "X" and e.get("pid") in gpu and (match is None or match in e.get("name", ""))]
+    if not durs:
+        return float("nan")
+    return sum(durs) * 1e-6 / (calls * per_call) if match is None else float(np.median(durs)) * 1e-6

@@ -25,24 +25,23 @@ def device_time(fn, args, match: str | None, calls: int = 3, per_call: int = 1) 
     """Device seconds from the JAX profiler over `calls` calls of `fn(*args)` (compiled and warm first): the median
     launch of the kernels whose name holds `match`, or with `match=None` all kernels' time per call divided by
     `per_call` (ops a call applies). Unlike `median_time`, launch gaps on the host don't count."""
-    import gzip
-    import json
     import tempfile
     from pathlib import Path
 
     import jax
+    from profile_round import latest_events
 
     jax.block_until_ready(fn(*args))
     folder = Path(tempfile.mkdtemp(prefix="device_time_"))
     with jax.profiler.trace(str(folder)):
         for _ in range(calls):
             jax.block_until_ready(fn(*args))
-    trace = json.loads(gzip.decompress(max(folder.rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
-                                       .read_bytes()))
-    gpu = {e["pid"] for e in trace.get("traceEvents", []) if e.get("ph") == "M" and e.get("name") == "process_name"
-           and "gpu" in e["args"]["name"].lower()}
-    durs = [float(e["dur"]) for e in trace.get("traceEvents", [])
-            if e.get("ph") == "X" and e.get("pid") in gpu and (match is None or match in e.get("name", ""))]
+    return kernel_seconds(latest_events(folder), match, calls * per_call)
+
+
+def kernel_seconds(events: list[dict], match: str | None, ops: int) -> float:
+    """The median launch (microsecond events) of kernels named like `match`, or all kernels' time over `ops`."""
+    durs = [float(e["dur"]) for e in events if match is None or match in e["name"]]
     if not durs:
         return float("nan")
-    return sum(durs) * 1e-6 / (calls * per_call) if match is None else float(np.median(durs)) * 1e-6
+    return sum(durs) * 1e-6 / ops if match is None else float(np.median(durs)) * 1e-6

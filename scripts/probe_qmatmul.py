@@ -108,6 +108,18 @@ def main():
                 err = float(jnp.linalg.norm((f(*ws[0]) - ref).astype(jnp.float32)) / jnp.linalg.norm(ref.astype(jnp.float32)))
                 label += f" err {err:.1e}"
             report(a.ncu, label, f, ws, mb, t)
+        if a.only != "probes":  # the Mosaic GPU kernel on the same packed pair layout
+            from pallas_kernels import qmatmul_mgpu as mg
+
+            ws = [(w, quant.pack_scale_bias(s, b)) for w, s, b in sets]
+            bs = mg.BlockSizes.for_weight(n, k)
+            t = time.perf_counter()
+            label = f"mgpu {shape} split {bs.split_k}"
+            if not a.ncu:
+                err = float(jnp.linalg.norm((mg.qmatmul_pairs(x, *ws[0]) - ref).astype(jnp.float32))
+                            / jnp.linalg.norm(ref.astype(jnp.float32)))
+                label += f" err {err:.1e}"
+            report(a.ncu, label, functools.partial(mg.qmatmul_pairs, x, block_sizes=bs), ws, mb, t)
 
 
 def report(ncu, label, f, sets, mb, t0):
@@ -119,7 +131,8 @@ def report(ncu, label, f, sets, mb, t0):
             return
         g = jax.jit(lambda sets: [f(*s) for s in sets])
         t = median_time(g, (sets,), 20) / len(sets)
-        dev = device_time(g, (sets,), {"probe": "probe", "pairs": "qmatmul"}.get(label.split()[0], "reduce")) * 1e6
+        match = {"probe": "probe", "pairs": "qmatmul", "mgpu": "qmatmul_mgpu"}.get(label.split()[0], "reduce")
+        dev = device_time(g, (sets,), match) * 1e6
         print(f"  {label}: wall {t * 1e6:.1f} us ({mb / t / 1e3:.0f} GB/s), device {dev:.1f} us "
               f"({mb / dev * 1e3:.0f} GB/s) [{time.perf_counter() - t0:.1f} s]", flush=True)
     except Exception as e:  # a config Triton refuses is reported, not fatal

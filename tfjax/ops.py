@@ -70,6 +70,12 @@ def pack_scales() -> bool:
     return os.environ.get("TFJAX_PACK_SCALES", "1") != "0"
 
 
+def mgpu_qmatmul() -> bool:
+    """Packed pair-layout Linears through the Mosaic GPU kernel (`pallas_kernels.qmatmul_mgpu`) instead of the
+    Triton one: opt-in (`TFJAX_QMATMUL_MGPU=1`) until the H200 has timed it."""
+    return os.environ.get("TFJAX_QMATMUL_MGPU", "0") == "1"
+
+
 def set_kernels(mode: str) -> None:
     """Force `kernel`, `reference` or `auto` dispatch (takes effect for new traces)."""
     global _FORCE
@@ -190,6 +196,10 @@ def qmatmul(x: jax.Array, weight: jax.Array, scales: jax.Array, biases: jax.Arra
         if use_kernels() and (rows or math.prod(lead) <= KERNEL_MAX_ROWS):
             from pallas_kernels import qmatmul as qk
 
+            if biases is None and group_size == 64 and mgpu_qmatmul():
+                from pallas_kernels import qmatmul_mgpu
+
+                return qmatmul_mgpu.qmatmul_pairs(x, weight, scales)
             bs = qk.TiledBlockSizes.for_layout(weight.shape[0], x.shape[-1], bits, group_size, layout)
             return qk.qmatmul_tiled(x, weight, scales, biases, bits=bits, group_size=group_size, block_sizes=bs)
         from tfjax import quant

@@ -1,0 +1,179 @@
+"""Pallas Mosaic GPU 4-bit matmul over the pair layout with packed scales (Hopper): TMA-pipelined, one MMA chain.
+
+``x [..., K] @ W.T`` for ``W`` in `quant.to_pair_layout`'s words ``[N, K/8]`` uint32 and
+`quant.pack_scale_bias`'s scales ``[K/64, N]`` uint32; group size 64. What the Triton pair kernel
+(`qmatmul.qmatmul_tiled`, unpack="pairs") could not do, measured on the H200 (docs/kernels_qmatmul.md, run 5):
+- scales and biases are plain loads there, waiting a DRAM latency every tile; here they ride the same TMA
+  pipeline as the weights and x (`plgpu.emit_pipeline`);
+- each group's MMA starts from zero there, for its own fold, so every group waits for its MMA; here every
+  weight is dequantized before the MMA (``q * s + b`` in bf16, one rounding, as MLX's own dequantize) and all
+  MMAs of the K range chain into one accumulator, waited once a tile; no group sums of x are needed.
+Layout: the pair layout read as uint16 ``[N, K/4]``: element ``e`` of a tile's 64 holds, at nibble ``f``, input
+``e`` of the tile's group ``f``. A group's operand is ``((v >> 4f) & 15) | 0x4300`` reinterpreted as bf16
+(``128 + q``), minus 128 (exact), times the scale, plus the bias.
+Grid: (column block, row block, K split); 64 outputs (the MMA's M, weights as its left operand from shared
+memory) by 16 rows of x (its N) a program. Row invariance: the tile order, the split and the MMA shape come
+from the weight's shape; a row's products are its own column of every MMA; split partials are summed outside
+in a fixed order, elementwise.
+GPU interpret mode (CPU tests) runs the same body except two register loads, which there are plain reads
+(the interpreter has no layout-annotated load); `lowered_for_gpu` checks the Mosaic GPU lowering on any host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from tfjax import quant
+
+GROUP = 64  # inputs per group: a tile is 4 groups, 64 uint16 a row (128 bytes: one 128-byte swizzle)
+TILE = 4 * GROUP
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tiles of `qmatmul_pairs`; all from the weight's shape (block_m is fixed)."""
+
+    block_n: int = 64  # outputs a program: the MMA's M
+    block_m: int = 16  # rows of x a program: the MMA's N
+    split_k: int = 1
+    stages: int = 2  # tiles in flight in the TMA pipeline
+
+    @classmethod
+    def for_weight(cls, n: int, k: int, programs: int = 1056, max_split: int = 8) -> BlockSizes:
+        """Smallest split of K's tiles (a divisor, at most `max_split`) giving >= `programs` programs."""
+        tiles = k // TILE
+        divisors = [s for s in range(1, min(tiles, max_split) + 1) if tiles % s == 0]
+        split = next((s for s in divisors if (n // 64) * s >= programs), divisors[-1])
+        return cls(split_k=split)
+
+
+def _kernel(xt_gmem, w_gmem, sb_gmem, o_gmem, o_smem, a_smem, *, bs: BlockSizes, tiles: int, interpret: bool):
+    # xt_gmem [K, Mp] bf16 (x transposed, rows padded); w_gmem [N, K/4] uint16; sb_gmem [K/64, N] uint32;
+    # o_gmem [split, N, Mp] f32; o_smem [block_n, block_m] f32; a_smem [2, block_n, 64] bf16: dequantized groups,
+    # two slots so one group's dequantization overlaps the previous group's MMA
+    j, i, s = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("k")
+    bn, bm = bs.block_n, bs.block_m
+    first = s * tiles
+
+    def read(ref, layout):  # registers in the MMA operand's layout (a plain read in interpret mode)
+        return ref[...] if interpret else plgpu.load(ref, (), layout=layout)
+
+    def rows(v):  # [bn] -> [bn, GROUP], one value a row
+        return lax.broadcast_in_dim(v, (bn, GROUP), (0,))
+
+    def body(_, xt_smem, w_smem, sb_smem, acc):
+        v = read(w_smem, plgpu.Layout.WGMMA)  # uint16 [bn, 64]
+        for f in range(4):
+            if f >= 2:  # slot f % 2 last fed group f - 2's MMA: let it finish (group f - 1's may still run)
+                plgpu.wgmma_wait(1)
+            sb = read(sb_smem.at[f], plgpu.Layout.WGMMA.reduce(1))  # uint32 [bn]: scale low, bias high
+            scale = lax.bitcast_convert_type((sb & jnp.uint32(0xFFFF)).astype(jnp.uint16), jnp.bfloat16)
+            bias = lax.bitcast_convert_type((sb >> jnp.uint32(16)).astype(jnp.uint16), jnp.bfloat16)
+            q = ((v >> jnp.uint16(4 * f)) & jnp.uint16(0xF)) | jnp.uint16(0x4300)
+            q = lax.bitcast_convert_type(q, jnp.bfloat16) - jnp.asarray(128, jnp.bfloat16)  # exact integers
+            a_smem.at[f % 2][...] = q * rows(scale) + rows(bias)
+            plgpu.commit_smem()
+            plgpu.wgmma(acc, a_smem.at[f % 2], xt_smem.at[pl.ds(f * GROUP, GROUP), :])
+        plgpu.wgmma_wait(0)  # the pipeline refills this tile's buffers once the body returns
+        return acc
+
+    def scope(acc):
+        plgpu.emit_pipeline(
+            body,
+            grid=(tiles,),
+            in_specs=[
+                plgpu.BlockSpec((TILE, bm), lambda t: (first + t, i),
+                                transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))),
+                plgpu.BlockSpec((bn, GROUP), lambda t: (j, first + t),
+                                transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))),
+                plgpu.BlockSpec((4, bn), lambda t: (first + t, j)),
+            ],
+            max_concurrent_steps=bs.stages,
+            init_carry=acc,
+        )(xt_gmem, w_gmem, sb_gmem)
+        o_smem[...] = acc[...]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[s, pl.ds(j * bn, bn), pl.ds(i * bm, bm)])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(scope, plgpu.ACC((bn, bm), jnp.float32))
+
+
+def _check(x, words, packed, group_size, bs: BlockSizes):
+    if group_size != GROUP:
+        raise ValueError(f"the Mosaic GPU pair kernel serves group_size={GROUP}, got {group_size}")
+    k = x.shape[-1]
+    if words.ndim != 2 or words.dtype != jnp.uint32 or words.shape[1] * 8 != k:
+        raise ValueError(f"want pair-layout words uint32 [N, K/8] for K={k}, got {words.shape=} {words.dtype=}")
+    n = words.shape[0]
+    if packed.dtype != jnp.uint32 or packed.shape != (k // GROUP, n):
+        raise ValueError(f"want packed scales uint32 {(k // GROUP, n)} (`quant.pack_scale_bias`), got "
+                         f"{packed.shape=} {packed.dtype=}")
+    if n % bs.block_n or k % (TILE * bs.split_k):
+        raise ValueError(f"N={n} must be a multiple of {bs.block_n} and K={k} of {TILE}*split {bs.split_k}")
+
+
+@functools.partial(jax.jit, static_argnames=("group_size", "block_sizes", "interpret"))
+def qmatmul_pairs(x: jax.Array, words: jax.Array, packed: jax.Array, *, group_size: int = GROUP,
+                  block_sizes: BlockSizes | None = None, interpret: bool = False) -> jax.Array:
+    """``x [..., K] @ W.T -> [..., N]`` in x's dtype (bf16 operands, f32 accumulation); row-invariant."""
+    k = x.shape[-1]
+    n = words.shape[0]
+    bs = block_sizes or BlockSizes.for_weight(n, k)
+    _check(x, words, packed, group_size, bs)
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    mp = pl.cdiv(m, bs.block_m) * bs.block_m
+    xt = jnp.pad(x2.astype(jnp.bfloat16), ((0, mp - m), (0, 0))).T  # [K, Mp]: the MMA's right operand, K-major
+    w16 = lax.bitcast_convert_type(words, jnp.uint16).reshape(n, k // 4)  # a word's low half first
+    tiles = k // TILE // bs.split_k
+    kernel = functools.partial(_kernel, bs=bs, tiles=tiles, interpret=interpret)
+    call = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((bs.split_k, n, mp), jnp.float32),
+        scratch_types=[
+            plgpu.SMEM((bs.block_n, bs.block_m), jnp.float32),
+            plgpu.SMEM((2, bs.block_n, GROUP), jnp.bfloat16,
+                       transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))),
+        ],
+        grid=(n // bs.block_n, mp // bs.block_m, bs.split_k),
+        grid_names=("n", "m", "k"),
+        kernel_name="qmatmul_mgpu",
+        interpret=_interpret_params() if interpret else None,
+    )
+    parts = call(xt, w16, packed)  # [split, N, Mp]
+    out = parts[0]
+    for p in range(1, bs.split_k):  # fixed order, elementwise: the same for every row
+        out = out + parts[p]
+    return out[:, :m].T.astype(x.dtype).reshape(*x.shape[:-1], n)
+
+
+def _interpret_params():
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams(uninitialized_memory="zero")  # a fresh accumulator reads as zeros, as on the GPU
+
+
+def reference(x, words, packed, *, group_size: int = GROUP) -> jax.Array:
+    """Plain XLA: back to MLX, dequantize, dot (f32 accumulation)."""
+    scales, biases = quant.unpack_scale_bias(packed)
+    w, s, b = quant.from_pair_layout(words, scales, biases, 4, group_size)
+    return quant.qmatmul_reference(x, w, s, b, 4, group_size)
+
+
+def lowered_for_gpu(n: int, k: int, m: int = 1, block_sizes: BlockSizes | None = None) -> str:
+    """The kernel lowered for CUDA (Mosaic GPU) as StableHLO text; no GPU needed. Raises what the lowering finds."""
+    from jax import export
+
+    sds = jax.ShapeDtypeStruct
+    f = jax.jit(lambda x, w, p: qmatmul_pairs(x, w, p, block_sizes=block_sizes))
+    exp = export.export(f, platforms=["cuda"])(sds((m, k), jnp.bfloat16), sds((n, k // 8), jnp.uint32),
+                                                sds((k // GROUP, n), jnp.uint32))
+    return exp.mlir_module()

@@ -1,0 +1,89 @@
+"""The Mosaic GPU 4-bit matmul over the pair layout: GPU interpret mode against the reference, row invariance, and
+its lowering for CUDA checked on the CPU."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import qmatmul_mgpu as mg
+from tfjax import quant
+
+
+def _weights(rng, n, k):
+    w = rng.integers(0, 2**32, (n, k // 8), dtype=np.uint32)
+    s = jnp.asarray(rng.uniform(0.001, 0.01, (n, k // 64)), jnp.bfloat16)
+    b = jnp.asarray(rng.normal(0, 0.05, (n, k // 64)), jnp.bfloat16)
+    words, ps, pb = quant.to_pair_layout(w, s, b, 4, 64)
+    return jnp.asarray(words), quant.pack_scale_bias(jnp.asarray(ps), jnp.asarray(pb))
+
+
+def _rel_err(y, r):
+    y, r = np.asarray(y, np.float64), np.asarray(r, np.float64)
+    return np.linalg.norm(y - r) / np.linalg.norm(r)
+
+
+@pytest.mark.parametrize("m,split", [(1, 1), (17, 2)])  # one row; two row blocks (block + 1) and a K split
+def test_interpret_matches_reference(m, split):
+    rng = np.random.default_rng(m + split)
+    words, packed = _weights(rng, 128, 1024)
+    x = jnp.asarray(rng.standard_normal((m, 1024)), jnp.bfloat16)
+    y = mg.qmatmul_pairs(x, words, packed, block_sizes=mg.BlockSizes(split_k=split), interpret=True)
+    assert y.shape == (m, 128) and y.dtype == jnp.bfloat16
+    assert _rel_err(y, mg.reference(x, words, packed)) < 1e-2  # bf16 weights, as MLX dequantizes them
+
+
+def test_interpret_rows_bit_identical_whatever_m_and_neighbours():
+    rng = np.random.default_rng(5)
+    words, packed = _weights(rng, 64, 512)
+    f = lambda x: np.asarray(mg.qmatmul_pairs(x, words, packed, interpret=True)).view(np.uint16)
+    x = jnp.asarray(rng.standard_normal((18, 512)), jnp.bfloat16)
+    alone = np.stack([f(x[i : i + 1])[0] for i in (0, 17)])
+    np.testing.assert_array_equal(f(x)[[0, 17]], alone)
+
+
+@pytest.mark.parametrize("n,k", [(17408, 5120), (5120, 17408)])
+def test_lowers_to_mosaic_gpu_for_the_dense27_mlp_without_a_gpu(n, k):
+    text = mg.lowered_for_gpu(n, k, m=3, block_sizes=mg.BlockSizes.for_weight(n, k))
+    assert "mosaic_gpu" in text
+
+
+def test_split_comes_from_the_weight_shape_and_divides_its_tiles():
+    for n, k in [(17408, 5120), (5120, 17408), (1024, 5120)]:
+        bs = mg.BlockSizes.for_weight(n, k)
+        assert (k // mg.TILE) % bs.split_k == 0 and bs.split_k <= 8
+
+
+def test_bad_inputs_raise_naming_the_value():
+    rng = np.random.default_rng(6)
+    words, packed = _weights(rng, 64, 512)
+    x = jnp.ones((1, 512), jnp.bfloat16)
+    with pytest.raises(ValueError, match="group_size"):
+        mg.qmatmul_pairs(x, words, packed, group_size=32, interpret=True)
+    with pytest.raises(ValueError, match="packed scales"):
+        mg.qmatmul_pairs(x, words, packed.astype(jnp.int32), interpret=True)
+    with pytest.raises(ValueError, match="K=256"):
+        mg.qmatmul_pairs(x[:, :256], words, packed, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 33])
+def test_gpu_matches_reference(m):
+    rng = np.random.default_rng(m)
+    words, packed = _weights(rng, 4096, 4096)
+    x = jnp.asarray(rng.standard_normal((m, 4096)), jnp.bfloat16)
+    assert _rel_err(mg.qmatmul_pairs(x, words, packed), mg.reference(x, words, packed)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_rows_1_to_64_bit_identical():
+    rng = np.random.default_rng(7)
+    words, packed = _weights(rng, 5120, 6144)
+    f = lambda x: np.asarray(mg.qmatmul_pairs(x, words, packed)).view(np.uint16)
+    x = jnp.asarray(rng.standard_normal((64, 6144)), jnp.bfloat16)
+    alone = np.stack([f(x[i : i + 1])[0] for i in range(64)])
+    for m in (2, 5, 16, 33, 64):
+        for start in range(0, 64, m):
+            idx = np.arange(start, min(start + m, 64))
+            np.testing.assert_array_equal(f(x[idx]), alone[idx], err_msg=f"{m=}")

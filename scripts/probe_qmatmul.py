@@ -105,8 +105,7 @@ def main():
             label = f"pairs {shape} {kw}{' packed' * packed} split {bs.split_k} programs {n // bs.block_n * bs.split_k}"
             t = time.perf_counter()
             if not a.ncu:
-                err = float(jnp.linalg.norm((f(*ws[0]) - ref).astype(jnp.float32)) / jnp.linalg.norm(ref.astype(jnp.float32)))
-                label += f" err {err:.1e}"
+                label += f" err {rel_err(f(*ws[0]), ref):.1e}"
             report(a.ncu, label, f, ws, mb, t)
         if a.only != "probes":  # the Mosaic GPU kernel on the same packed pair layout
             from pallas_kernels import qmatmul_mgpu as mg
@@ -115,11 +114,15 @@ def main():
             bs = mg.BlockSizes.for_weight(n, k)
             t = time.perf_counter()
             label = f"mgpu {shape} split {bs.split_k}"
+            f = functools.partial(mg.qmatmul_pairs, x, block_sizes=bs)
             if not a.ncu:
-                err = float(jnp.linalg.norm((mg.qmatmul_pairs(x, *ws[0]) - ref).astype(jnp.float32))
-                            / jnp.linalg.norm(ref.astype(jnp.float32)))
-                label += f" err {err:.1e}"
-            report(a.ncu, label, functools.partial(mg.qmatmul_pairs, x, block_sizes=bs), ws, mb, t)
+                label += f" err {rel_err(f(*ws[0]), ref):.1e}"
+            report(a.ncu, label, f, ws, mb, t)
+
+
+def rel_err(y, ref) -> float:
+    y, ref = y.astype(jnp.float32), ref.astype(jnp.float32)
+    return float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
 
 
 def report(ncu, label, f, sets, mb, t0):

@@ -247,6 +247,15 @@ def row_invariance(n, k, bs, layout=1, rows=128):
 
 
 # --- attention ---
+def verify_rows(ctx, t, h, e, seed):
+    """One lane's `t` query rows at the end of a `ctx`-key context: (q [1, t, h, e] bf16, positions [1, t])."""
+    import jax
+    import jax.numpy as jnp
+
+    q = jax.random.normal(jax.random.key(seed), (1, t, h, e), jnp.bfloat16)
+    return q, (ctx - t + jnp.arange(t, dtype=jnp.int32))[None]
+
+
 def kv_sets(ctx, count, g=4, e=256, page=16, seed=0):
     import jax
     import jax.numpy as jnp
@@ -264,7 +273,6 @@ def kv_sets(ctx, count, g=4, e=256, page=16, seed=0):
 
 def attention_section(sweep: bool | str):
     import jax
-    import jax.numpy as jnp
 
     from pallas_kernels import attention as pa
 
@@ -280,8 +288,7 @@ def attention_section(sweep: bool | str):
             kvb = 2 * ctx * g * e * 2
             sets = kv_sets(ctx, max(2, min(8, math.ceil(256e6 / kvb))))
             for t in (1, 8):
-                q = jax.random.normal(jax.random.key(t), (1, t, h, e), jnp.bfloat16)
-                pos = (ctx - t + jnp.arange(t, dtype=jnp.int32))[None]
+                q, pos = verify_rows(ctx, t, h, e, seed=t)
                 ref = pa.reference(q, *sets[0], pos)
                 for i, bs in enumerate(cands):
                     f = lambda q, kp, vp, pt, pos, bs=bs: pa.paged_attention(q, kp, vp, pt, pos, block_sizes=bs)
@@ -302,8 +309,7 @@ def attention_section(sweep: bool | str):
     elif sweep:
         ctx, t = 16384, 8
         sets = kv_sets(ctx, 4)
-        q = jax.random.normal(jax.random.key(1), (1, t, h, e), jnp.bfloat16)
-        pos = (ctx - t + jnp.arange(t, dtype=jnp.int32))[None]
+        q, pos = verify_rows(ctx, t, h, e, seed=1)
         ref = pa.reference(q, *sets[0], pos)
         scored = []
         for bq, bk, ck, nw, ns in [(16, 64, 512, 4, 2), (16, 32, 256, 4, 3), (16, 64, 1024, 4, 2),
@@ -327,13 +333,13 @@ def attention_section(sweep: bool | str):
         kvb = 2 * ctx * g * e * 2
         sets = kv_sets(ctx, max(2, min(16, math.ceil(512e6 / kvb))))
         for t in (1, 8):
-            q = jax.random.normal(jax.random.key(t), (1, t, h, e), jnp.bfloat16)
-            pos = (ctx - t + jnp.arange(t, dtype=jnp.int32))[None]
+            q, pos = verify_rows(ctx, t, h, e, seed=t)
             f = lambda q, kp, vp, pt, pos: pa.paged_attention(q, kp, vp, pt, pos, block_sizes=best)
             err = rel_err(f(q, *sets[0], pos), pa.reference(q, *sets[0], pos))
-            tt = per_call(f, [(q, *s, pos) for s in sets])
-            tr = per_call(pa.reference, [(q, *s, pos) for s in sets])
-            args = [(q, *s, pos) for s in sets]  # the kernel and its partials' combine, launch gaps left out
+            args = [(q, *s, pos) for s in sets]
+            tt = per_call(f, args)
+            tr = per_call(pa.reference, args)
+            # the kernel and its partials' combine, launch gaps left out
             dev = device_time(jax.jit(lambda args, f=f: [f(*a) for a in args]), (args,), None, per_call=len(args))
             same = True
             if ctx == 2048 and t == 8:  # each verify row equals the row alone, bit for bit

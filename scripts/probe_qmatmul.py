@@ -82,7 +82,7 @@ def main():
     ap.add_argument("--ncu", action="store_true")
     a = ap.parse_args()
     print(jax.devices()[0].device_kind, jax.__version__, flush=True)
-    from bench_graph import qweights
+    from bench_graph import qweights, rel_err
 
     for shape in a.shapes.split(","):
         n, k = map(int, shape.split("x"))
@@ -118,11 +118,6 @@ def main():
             if not a.ncu:
                 label += f" err {rel_err(f(*ws[0]), ref):.1e}"
             report(a.ncu, label, f, ws, mb, t)
-
-
-def rel_err(y, ref) -> float:
-    y, ref = y.astype(jnp.float32), ref.astype(jnp.float32)
-    return float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
 
 
 def report(ncu, label, f, sets, mb, t0):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import qmatmul_mgpu as mg
+from tests.helpers import rel_err
 from tfjax import quant
 
 
@@ -19,11 +20,6 @@ def _weights(rng, n, k):
     return jnp.asarray(words), quant.pack_scale_bias(jnp.asarray(ps), jnp.asarray(pb))
 
 
-def _rel_err(y, r):
-    y, r = np.asarray(y, np.float64), np.asarray(r, np.float64)
-    return np.linalg.norm(y - r) / np.linalg.norm(r)
-
-
 @pytest.mark.parametrize("m,split", [(1, 1), (17, 2)])  # one row; two row blocks (block + 1) and a K split
 def test_interpret_matches_reference(m, split):
     rng = np.random.default_rng(m + split)
@@ -31,7 +27,7 @@ def test_interpret_matches_reference(m, split):
     x = jnp.asarray(rng.standard_normal((m, 1024)), jnp.bfloat16)
     y = mg.qmatmul_pairs(x, words, packed, block_sizes=mg.BlockSizes(split_k=split), interpret=True)
     assert y.shape == (m, 128) and y.dtype == jnp.bfloat16
-    assert _rel_err(y, mg.reference(x, words, packed)) < 1e-2  # bf16 weights, as MLX dequantizes them
+    assert rel_err(y, mg.reference(x, words, packed)) < 1e-2  # bf16 weights, as MLX dequantizes them
 
 
 def test_interpret_rows_bit_identical_whatever_m_and_neighbours():
@@ -73,7 +69,7 @@ def test_gpu_matches_reference(m):
     rng = np.random.default_rng(m)
     words, packed = _weights(rng, 4096, 4096)
     x = jnp.asarray(rng.standard_normal((m, 4096)), jnp.bfloat16)
-    assert _rel_err(mg.qmatmul_pairs(x, words, packed), mg.reference(x, words, packed)) < 1e-2
+    assert rel_err(mg.qmatmul_pairs(x, words, packed), mg.reference(x, words, packed)) < 1e-2
 
 
 @pytest.mark.gpu

@@ -99,15 +99,26 @@ class Embedding(nnx.Module):
         return self.table(x, rows=rows)
 
 
+FUSED_ROW_MULTIPLE = 64  # the 4-bit kernels' column block
+
+
 def concat_linears(parts: list[Linear]) -> Linear | None:
-    """One Linear whose output is the parts' outputs side by side (one launch instead of several), or None
-    when they differ in input size, quantization, layout or bias."""
+    """One Linear whose output is the parts' outputs side by side (one launch instead of several), padded with
+    zero rows to a multiple of `FUSED_ROW_MULTIPLE`, or None when they differ in input size, quantization,
+    layout or bias."""
     first = parts[0]
     same = all(p.quant == first.quant and p.layout == first.layout == "mlx" and (p.bias is None) == (first.bias is None)
                and p.weight.shape[1:] == first.weight.shape[1:] for p in parts)
     if not same:
         return None
-    cat = (lambda name: nnx.Param(jnp.concatenate([getattr(p, name)[...] for p in parts], axis=0)))
+    rows = sum(int(p.weight.shape[0]) for p in parts)
+    pad = -rows % FUSED_ROW_MULTIPLE  # zero rows: whole kernel column blocks (dense27's DeltaNet: 16480 -> 16512)
+
+    def cat(name):
+        vals = [getattr(p, name)[...] for p in parts]
+        vals += [jnp.zeros((pad, *vals[0].shape[1:]), vals[0].dtype)] if pad else []
+        return nnx.Param(jnp.concatenate(vals, axis=0))
+
     fused = Linear(1, 1, bias=first.bias is not None, dtype=first.weight.dtype, rngs=nnx.Rngs(0))
     fused.quant, fused.weight = first.quant, cat("weight")
     if first.quant is not None:
@@ -120,7 +131,7 @@ def concat_linears(parts: list[Linear]) -> Linear | None:
 
 def split_outputs(y: jax.Array, splits: tuple[int, ...]) -> list[jax.Array]:
     """A fused Linear's output cut back into its parts' outputs."""
-    return jnp.split(y, list(itertools.accumulate(splits))[:-1], axis=-1)
+    return jnp.split(y, list(itertools.accumulate(splits)), axis=-1)[: len(splits)]  # the last piece: padding
 
 
 def fuse_projections(model: nnx.Module) -> int:

@@ -32,6 +32,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from tfjax import quant
 
+POLICY: dict = {}  # BlockSizes.for_weight keywords for the default tiles (benchmarks A/B them, bench_graph.py)
 GROUP = 64  # inputs per group: a tile is 4 groups, 64 uint16 a row (128 bytes: one 128-byte swizzle)
 TILE = 4 * GROUP
 
@@ -44,20 +45,28 @@ class BlockSizes:
     block_m: int = 16  # rows of x a program: the MMA's N
     split_k: int = 1
     stages: int = 2  # tiles in flight in the TMA pipeline
+    operand: str = "smem"  # the dequantized weights reach the MMA through shared memory, or "regs": registers
+    probe: str = ""  # timing probes (wrong results): "no_dequant" feeds raw weight bits to the MMA, "loads" skips the MMA too
 
     @classmethod
-    def for_weight(cls, n: int, k: int, programs: int = 1056, max_split: int = 8) -> BlockSizes:
+    def for_weight(cls, n: int, k: int, programs: int = 1056, max_split: int = 8, **kw) -> BlockSizes:
         """Smallest split of K's tiles (a divisor, at most `max_split`) giving >= `programs` programs."""
         tiles = k // TILE
         divisors = [s for s in range(1, min(tiles, max_split) + 1) if tiles % s == 0]
         split = next((s for s in divisors if (n // 64) * s >= programs), divisors[-1])
-        return cls(split_k=split)
+        return cls(split_k=split, **kw)
+
+    @staticmethod
+    def serves(n: int, k: int, group_size: int) -> bool:
+        """Whether this kernel takes a weight [N, K] (else the caller uses the Triton kernel)."""
+        return group_size == GROUP and n % 64 == 0 and k % TILE == 0
 
 
-def _kernel(xt_gmem, w_gmem, sb_gmem, o_gmem, o_smem, a_smem, *, bs: BlockSizes, tiles: int, interpret: bool):
-    # xt_gmem [K, Mp] bf16 (x transposed, rows padded); w_gmem [N, K/4] uint16; sb_gmem [K/64, N] uint32;
-    # o_gmem [split, N, Mp] f32; o_smem [block_n, block_m] f32; a_smem [2, block_n, 64] bf16: dequantized groups,
-    # two slots so one group's dequantization overlaps the previous group's MMA
+def _kernel(xt_gmem, w_gmem, sb_gmem, o_gmem, o_smem, *a_smem, bs: BlockSizes, tiles: int, interpret: bool):
+    # xt_gmem [K, Mp] bf16 (x transposed, rows padded; [Mp, K] with operand "regs"); w_gmem [N, K/4] uint16;
+    # sb_gmem [K/64, N] uint32; o_gmem [split, N, Mp] f32; o_smem [block_n, block_m] f32; operand "smem":
+    # a_smem [2, block_n, 64] bf16, dequantized groups, two slots so one group's dequantization overlaps the
+    # previous group's MMA
     j, i, s = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("k")
     bn, bm = bs.block_n, bs.block_m
     first = s * tiles
@@ -69,6 +78,8 @@ def _kernel(xt_gmem, w_gmem, sb_gmem, o_gmem, o_smem, a_smem, *, bs: BlockSizes,
         return lax.broadcast_in_dim(v, (bn, GROUP), (0,))
 
     def body(_, xt_smem, w_smem, sb_smem, acc):
+        if bs.probe == "loads":
+            return acc
         v = read(w_smem, plgpu.Layout.WGMMA)  # uint16 [bn, 64]
         for f in range(4):
             if f >= 2:  # slot f % 2 last fed group f - 2's MMA: let it finish (group f - 1's may still run)
@@ -77,20 +88,33 @@ def _kernel(xt_gmem, w_gmem, sb_gmem, o_gmem, o_smem, a_smem, *, bs: BlockSizes,
             scale = lax.bitcast_convert_type((sb & jnp.uint32(0xFFFF)).astype(jnp.uint16), jnp.bfloat16)
             bias = lax.bitcast_convert_type((sb >> jnp.uint32(16)).astype(jnp.uint16), jnp.bfloat16)
             q = ((v >> jnp.uint16(4 * f)) & jnp.uint16(0xF)) | jnp.uint16(0x4300)
-            q = lax.bitcast_convert_type(q, jnp.bfloat16) - jnp.asarray(128, jnp.bfloat16)  # exact integers
-            a_smem.at[f % 2][...] = q * rows(scale) + rows(bias)
+            q = lax.bitcast_convert_type(q, jnp.bfloat16)  # 128 + q, exact
+            if bs.probe == "no_dequant":
+                a = q
+            else:  # q exactly, then one product and one sum in bf16 (folding -128 s into b loses q * s to rounding)
+                a = (q - jnp.asarray(128, jnp.bfloat16)) * rows(scale) + rows(bias)
+            if bs.operand == "regs":  # the MMA reads the group from registers: no shared-memory round trip
+                plgpu.wgmma(acc, a, plgpu.transpose_ref(xt_smem.at[:, pl.ds(f * GROUP, GROUP)], (1, 0)))
+                continue
+            a_smem[0].at[f % 2][...] = a
             plgpu.commit_smem()
-            plgpu.wgmma(acc, a_smem.at[f % 2], xt_smem.at[pl.ds(f * GROUP, GROUP), :])
+            plgpu.wgmma(acc, a_smem[0].at[f % 2], xt_smem.at[pl.ds(f * GROUP, GROUP), :])
         plgpu.wgmma_wait(0)  # the pipeline refills this tile's buffers once the body returns
         return acc
+
+    if bs.operand == "regs":  # x [block_m, TILE] K-major, 128-byte rows: transposed, the MMA's right operand
+        x_spec = plgpu.BlockSpec((bm, TILE), lambda t: (i, first + t),
+                                 transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+    else:
+        x_spec = plgpu.BlockSpec((TILE, bm), lambda t: (first + t, i),
+                                 transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32)))
 
     def scope(acc):
         plgpu.emit_pipeline(
             body,
             grid=(tiles,),
             in_specs=[
-                plgpu.BlockSpec((TILE, bm), lambda t: (first + t, i),
-                                transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))),
+                x_spec,
                 plgpu.BlockSpec((bn, GROUP), lambda t: (j, first + t),
                                 transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))),
                 plgpu.BlockSpec((4, bn), lambda t: (first + t, j)),
@@ -116,6 +140,10 @@ def _check(x, words, packed, group_size, bs: BlockSizes):
     if packed.dtype != jnp.uint32 or packed.shape != (k // GROUP, n):
         raise ValueError(f"want packed scales uint32 {(k // GROUP, n)} (`quant.pack_scale_bias`), got "
                          f"{packed.shape=} {packed.dtype=}")
+    if bs.probe not in ("", "no_dequant", "loads") or bs.operand not in ("smem", "regs"):
+        raise ValueError(f"unknown probe {bs.probe!r} or operand {bs.operand!r}")
+    if bs.operand == "regs" and bs.block_m % 8:
+        raise ValueError(f"operand 'regs' takes x in 8-row tiles, got block_m={bs.block_m}")
     if n % bs.block_n or k % (TILE * bs.split_k):
         raise ValueError(f"N={n} must be a multiple of {bs.block_n} and K={k} of {TILE}*split {bs.split_k}")
 
@@ -126,12 +154,13 @@ def qmatmul_pairs(x: jax.Array, words: jax.Array, packed: jax.Array, *, group_si
     """``x [..., K] @ W.T -> [..., N]`` in x's dtype (bf16 operands, f32 accumulation); row-invariant."""
     k = x.shape[-1]
     n = words.shape[0]
-    bs = block_sizes or BlockSizes.for_weight(n, k)
+    bs = block_sizes or BlockSizes.for_weight(n, k, **POLICY)
     _check(x, words, packed, group_size, bs)
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     mp = pl.cdiv(m, bs.block_m) * bs.block_m
-    xt = jnp.pad(x2.astype(jnp.bfloat16), ((0, mp - m), (0, 0))).T  # [K, Mp]: the MMA's right operand, K-major
+    xt = jnp.pad(x2.astype(jnp.bfloat16), ((0, mp - m), (0, 0)))
+    xt = xt if bs.operand == "regs" else xt.T  # [K, Mp]: the MMA's right operand, K-major
     w16 = lax.bitcast_convert_type(words, jnp.uint16).reshape(n, k // 4)  # a word's low half first
     tiles = k // TILE // bs.split_k
     kernel = functools.partial(_kernel, bs=bs, tiles=tiles, interpret=interpret)
@@ -140,8 +169,9 @@ def qmatmul_pairs(x: jax.Array, words: jax.Array, packed: jax.Array, *, group_si
         out_type=jax.ShapeDtypeStruct((bs.split_k, n, mp), jnp.float32),
         scratch_types=[
             plgpu.SMEM((bs.block_n, bs.block_m), jnp.float32),
-            plgpu.SMEM((2, bs.block_n, GROUP), jnp.bfloat16,
-                       transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))),
+            *([] if bs.operand == "regs" else [
+                plgpu.SMEM((2, bs.block_n, GROUP), jnp.bfloat16,
+                           transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32)))]),
         ],
         grid=(n // bs.block_n, mp // bs.block_m, bs.split_k),
         grid_names=("n", "m", "k"),

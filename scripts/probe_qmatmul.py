@@ -17,6 +17,7 @@ over the same program, so L2 holds none of the sets). `--ncu` runs each config t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import sys
@@ -80,6 +81,7 @@ def main():
     ap.add_argument("--shapes", default="17408x5120,5120x17408")
     ap.add_argument("--only", choices=["probes", "kernels", "all"], default="all")
     ap.add_argument("--ncu", action="store_true")
+    ap.add_argument("--mgpu-sweep", action="store_true", help="the Mosaic GPU kernel's splits, stages and probes")
     a = ap.parse_args()
     print(jax.devices()[0].device_kind, jax.__version__, flush=True)
     from bench_graph import qweights, rel_err
@@ -98,7 +100,7 @@ def main():
             report(a.ncu, f"probe {shape} {p}", f, [(w,) for w, _, _ in sets], sets[0][0].nbytes / 1e6,
                    time.perf_counter())
         ref = qm.reference(x, *quant.from_pair_layout(*sets[0]), bits=4, group_size=64)
-        for kw, packed in KERNELS if a.only != "probes" else []:
+        for kw, packed in (KERNELS[2:3] if a.mgpu_sweep else KERNELS) if a.only != "probes" else []:
             bs = qm.TiledBlockSizes.for_weight(n, k, 4, 64, **{**qm.PAIRS_POLICY, **kw})
             f = functools.partial(qm.qmatmul_tiled, x, bits=4, group_size=64, block_sizes=bs)
             ws = [(w, *((quant.pack_scale_bias(s, b), None) if packed else (s, b))) for w, s, b in sets]
@@ -111,13 +113,30 @@ def main():
             from pallas_kernels import qmatmul_mgpu as mg
 
             ws = [(w, quant.pack_scale_bias(s, b)) for w, s, b in sets]
-            bs = mg.BlockSizes.for_weight(n, k)
-            t = time.perf_counter()
-            label = f"mgpu {shape} split {bs.split_k}"
-            f = functools.partial(mg.qmatmul_pairs, x, block_sizes=bs)
-            if not a.ncu:
-                label += f" err {rel_err(f(*ws[0]), ref):.1e}"
-            report(a.ncu, label, f, ws, mb, t)
+            for bs in mgpu_configs(n, k, a.mgpu_sweep):
+                t = time.perf_counter()
+                label = (f"mgpu {shape} {bs.operand} m{bs.block_m} split {bs.split_k} programs {n // 64 * bs.split_k}"
+                         f" stages {bs.stages} {bs.probe}")
+                f = functools.partial(mg.qmatmul_pairs, x, block_sizes=bs)
+                if not a.ncu and not bs.probe:
+                    label += f" err {rel_err(f(*ws[0]), ref):.1e}"
+                report(a.ncu, label, f, ws, mb, t)
+
+
+def mgpu_configs(n, k, sweep):
+    """The Mosaic GPU kernel's dispatch; with `sweep`, its stages, probes and every split of K's tiles."""
+    from pallas_kernels import qmatmul_mgpu as mg
+
+    base = mg.BlockSizes.for_weight(n, k)
+    if not sweep:
+        return [base]
+    tiles = k // mg.TILE
+    regs = dataclasses.replace(base, operand="regs", block_m=8)
+    out = [base, dataclasses.replace(base, probe="loads")]
+    out += [dataclasses.replace(regs, stages=st) for st in (2, 3, 4)] + [dataclasses.replace(regs, block_m=16)]
+    out += [dataclasses.replace(regs, probe=p) for p in ("no_dequant", "loads")]
+    out += [dataclasses.replace(regs, split_k=sp) for sp in range(1, 21) if tiles % sp == 0 and sp != base.split_k]
+    return out
 
 
 def report(ncu, label, f, sets, mb, t0):

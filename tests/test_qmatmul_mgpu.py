@@ -39,10 +39,17 @@ def test_interpret_rows_bit_identical_whatever_m_and_neighbours():
     np.testing.assert_array_equal(f(x)[[0, 17]], alone)
 
 
-@pytest.mark.parametrize("n,k", [(17408, 5120), (5120, 17408)])
-def test_lowers_to_mosaic_gpu_for_the_dense27_mlp_without_a_gpu(n, k):
-    text = mg.lowered_for_gpu(n, k, m=3, block_sizes=mg.BlockSizes.for_weight(n, k))
+@pytest.mark.parametrize("n,k,kw", [(17408, 5120, {}), (5120, 17408, {}), (17408, 5120, dict(stages=3, probe="no_dequant")),
+                                    (17408, 5120, dict(operand="regs", block_m=8)), (5120, 17408, dict(operand="regs"))])
+def test_lowers_to_mosaic_gpu_for_the_dense27_mlp_without_a_gpu(n, k, kw):
+    text = mg.lowered_for_gpu(n, k, m=3, block_sizes=mg.BlockSizes.for_weight(n, k, **kw))
     assert "mosaic_gpu" in text
+
+
+def test_serves_only_whole_column_blocks_and_tiles_of_group_64():
+    assert mg.BlockSizes.serves(17408, 5120, 64)
+    assert not mg.BlockSizes.serves(16480, 5120, 64)  # dense27's fused DeltaNet projections: N % 64 != 0
+    assert not mg.BlockSizes.serves(17408, 5120, 32) and not mg.BlockSizes.serves(64, 320, 64)
 
 
 def test_split_comes_from_the_weight_shape_and_divides_its_tiles():
@@ -59,24 +66,31 @@ def test_bad_inputs_raise_naming_the_value():
         mg.qmatmul_pairs(x, words, packed, group_size=32, interpret=True)
     with pytest.raises(ValueError, match="packed scales"):
         mg.qmatmul_pairs(x, words, packed.astype(jnp.int32), interpret=True)
+    with pytest.raises(ValueError, match="unknown probe"):
+        mg.qmatmul_pairs(x, words, packed, block_sizes=mg.BlockSizes(probe="fast"), interpret=True)
     with pytest.raises(ValueError, match="K=256"):
         mg.qmatmul_pairs(x[:, :256], words, packed, interpret=True)
 
 
+GPU_VARIANTS = [mg.BlockSizes(), mg.BlockSizes(operand="regs", block_m=8), mg.BlockSizes(operand="regs", stages=3)]
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("bs", GPU_VARIANTS, ids=["smem", "regs-m8", "regs-m16"])
 @pytest.mark.parametrize("m", [1, 16, 33])
-def test_gpu_matches_reference(m):
+def test_gpu_matches_reference(m, bs):
     rng = np.random.default_rng(m)
     words, packed = _weights(rng, 4096, 4096)
     x = jnp.asarray(rng.standard_normal((m, 4096)), jnp.bfloat16)
-    assert rel_err(mg.qmatmul_pairs(x, words, packed), mg.reference(x, words, packed)) < 1e-2
+    assert rel_err(mg.qmatmul_pairs(x, words, packed, block_sizes=bs), mg.reference(x, words, packed)) < 1e-2
 
 
 @pytest.mark.gpu
-def test_gpu_rows_1_to_64_bit_identical():
+@pytest.mark.parametrize("bs", GPU_VARIANTS, ids=["smem", "regs-m8", "regs-m16"])
+def test_gpu_rows_1_to_64_bit_identical(bs):
     rng = np.random.default_rng(7)
     words, packed = _weights(rng, 5120, 6144)
-    f = lambda x: np.asarray(mg.qmatmul_pairs(x, words, packed)).view(np.uint16)
+    f = lambda x: np.asarray(mg.qmatmul_pairs(x, words, packed, block_sizes=bs)).view(np.uint16)
     x = jnp.asarray(rng.standard_normal((64, 6144)), jnp.bfloat16)
     alone = np.stack([f(x[i : i + 1])[0] for i in range(64)])
     for m in (2, 5, 16, 33, 64):

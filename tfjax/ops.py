@@ -196,10 +196,11 @@ def qmatmul(x: jax.Array, weight: jax.Array, scales: jax.Array, biases: jax.Arra
         if use_kernels() and (rows or math.prod(lead) <= KERNEL_MAX_ROWS):
             from pallas_kernels import qmatmul as qk
 
-            if biases is None and group_size == 64 and mgpu_qmatmul():
+            if biases is None and mgpu_qmatmul():
                 from pallas_kernels import qmatmul_mgpu
 
-                return qmatmul_mgpu.qmatmul_pairs(x, weight, scales)
+                if qmatmul_mgpu.BlockSizes.serves(weight.shape[0], x.shape[-1], group_size):
+                    return qmatmul_mgpu.qmatmul_pairs(x, weight, scales)
             bs = qk.TiledBlockSizes.for_layout(weight.shape[0], x.shape[-1], bits, group_size, layout)
             return qk.qmatmul_tiled(x, weight, scales, biases, bits=bits, group_size=group_size, block_sizes=bs)
         from tfjax import quant

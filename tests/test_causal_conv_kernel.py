@@ -28,6 +28,15 @@ def test_interpret_matches_reference(m, c):
     assert got.shape == (m, c) and rel_err(got, cc.reference(taps, w)) < 1e-6
 
 
+@pytest.mark.parametrize("channels", [32, 64])  # 96 channels: 3 programs a row; not a multiple: one program
+def test_interpret_channel_blocks_give_the_one_program_result(channels):
+    taps, w = _case(np.random.default_rng(4), 3, 4, 96)
+    bs = cc.BlockSizes(channels=channels)
+    assert bs.split(96) == ((3, 32) if channels == 32 else (1, 96))
+    np.testing.assert_array_equal(cc.conv_silu(taps, w, block_sizes=bs, interpret=True),
+                                  cc.conv_silu(taps, w, block_sizes=cc.BlockSizes(channels=4096), interpret=True))
+
+
 def test_interpret_rows_are_bit_identical_alone_and_among_others():
     taps, w = _case(np.random.default_rng(1), 6, 4, 96, jnp.bfloat16)
     together = cc.conv_silu(taps, w, interpret=True)

@@ -11,12 +11,16 @@
 Layout: the pair layout read as uint16 ``[N, K/4]``: element ``e`` of a tile's 64 holds, at nibble ``f``, input
 ``e`` of the tile's group ``f``. A group's operand is ``((v >> 4f) & 15) | 0x4300`` reinterpreted as bf16
 (``128 + q``), minus 128 (exact), times the scale, plus the bias.
-Grid: (column block, row block, K split); 64 outputs (the MMA's M, weights as its left operand from shared
-memory) by 16 rows of x (its N) a program. Row invariance: the tile order, the split and the MMA shape come
-from the weight's shape; a row's products are its own column of every MMA; split partials are summed outside
-in a fixed order, elementwise.
+Grid: (column block, row block, K split); 64 outputs (the MMA's M) by 8 rows of x (its N) a program. The
+dequantized group goes to the MMA from registers (operand "regs", the default), x from shared memory in
+K-major 128-byte rows (x itself, transposed by the MMA); operand "smem" stores each group to shared memory
+first (with x transposed, 16 rows). H200, 17408x5120, M=1 (docs/benchmarks.md): 23.3 us (regs) against
+30.8 (smem) and 31.6 (the Triton pair kernel); the pipeline's loads alone take 14.6 us (3.4 TB/s).
+Row invariance: the tile order, the split and the MMA shape come from the weight's shape; a row's products
+are its own column of every MMA; split partials are summed outside in a fixed order, elementwise.
 GPU interpret mode (CPU tests) runs the same body except two register loads, which there are plain reads
-(the interpreter has no layout-annotated load); `lowered_for_gpu` checks the Mosaic GPU lowering on any host.
+(the interpreter has no layout-annotated load), and the register-operand MMA, which it computes with a dot
+into the output tile; `lowered_for_gpu` checks the Mosaic GPU lowering (the real MMA) on any host.
 """
 
 from __future__ import annotations
@@ -42,10 +46,10 @@ class BlockSizes:
     """Tiles of `qmatmul_pairs`; all from the weight's shape (block_m is fixed)."""
 
     block_n: int = 64  # outputs a program: the MMA's M
-    block_m: int = 16  # rows of x a program: the MMA's N
+    block_m: int = 8  # rows of x a program: the MMA's N
     split_k: int = 1
     stages: int = 2  # tiles in flight in the TMA pipeline
-    operand: str = "smem"  # the dequantized weights reach the MMA through shared memory, or "regs": registers
+    operand: str = "regs"  # the dequantized weights reach the MMA from registers ("smem": through shared memory)
     probe: str = ""  # timing probes (wrong results): "no_dequant" feeds raw weight bits to the MMA, "loads" skips the MMA too
 
     @classmethod
@@ -94,7 +98,11 @@ def _kernel(xt_gmem, w_gmem, sb_gmem, o_gmem, o_smem, *a_smem, bs: BlockSizes, t
             else:  # q exactly, then one product and one sum in bf16 (folding -128 s into b loses q * s to rounding)
                 a = (q - jnp.asarray(128, jnp.bfloat16)) * rows(scale) + rows(bias)
             if bs.operand == "regs":  # the MMA reads the group from registers: no shared-memory round trip
-                plgpu.wgmma(acc, a, plgpu.transpose_ref(xt_smem.at[:, pl.ds(f * GROUP, GROUP)], (1, 0)))
+                xg = xt_smem.at[:, pl.ds(f * GROUP, GROUP)]
+                if emulated:  # the interpreter's MMA takes no register operand: the same product, into o_smem
+                    o_smem[...] += jnp.dot(a, xg[...].T, preferred_element_type=jnp.float32)
+                else:
+                    plgpu.wgmma(acc, a, plgpu.transpose_ref(xg, (1, 0)))
                 continue
             a_smem[0].at[f % 2][...] = a
             plgpu.commit_smem()
@@ -109,7 +117,11 @@ def _kernel(xt_gmem, w_gmem, sb_gmem, o_gmem, o_smem, *a_smem, bs: BlockSizes, t
         x_spec = plgpu.BlockSpec((TILE, bm), lambda t: (first + t, i),
                                  transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32)))
 
+    emulated = interpret and bs.operand == "regs"
+
     def scope(acc):
+        if emulated:
+            o_smem[...] = jnp.zeros_like(o_smem)
         plgpu.emit_pipeline(
             body,
             grid=(tiles,),
@@ -122,7 +134,8 @@ def _kernel(xt_gmem, w_gmem, sb_gmem, o_gmem, o_smem, *a_smem, bs: BlockSizes, t
             max_concurrent_steps=bs.stages,
             init_carry=acc,
         )(xt_gmem, w_gmem, sb_gmem)
-        o_smem[...] = acc[...]
+        if not emulated:
+            o_smem[...] = acc[...]
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[s, pl.ds(j * bn, bn), pl.ds(i * bm, bm)])
         plgpu.wait_smem_to_gmem(0)

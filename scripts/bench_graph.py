@@ -197,10 +197,9 @@ def qmatmul_section(sweep: bool | str, ms=(1, 4, 16, 64)):
     for name, (n, k) in SHAPES.items():
         count = max(2, min(32, math.ceil(400e6 / qbytes(1, n, k))))
         sets = qweights(n, k, count, n + 7 * k)
-        bs = tiled_bs(policy, n, k)
+        f, bs = dispatched(policy, n, k)
         for m in ms:
             x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
-            f = lambda x, w, s, b, bs=bs: qm.qmatmul_tiled(x, w, s, b, bits=BITS, group_size=GROUP, block_sizes=bs)
             g = lambda x, w, s, b: qm.reference(x, w, s, b, bits=BITS, group_size=GROUP)
             lay = layout_of(policy)
             err = rel_err(f(x, *sets[0][lay]), g(x, *sets[0][0]))
@@ -218,21 +217,33 @@ def qmatmul_section(sweep: bool | str, ms=(1, 4, 16, 64)):
                 f"err {err:.0e})", dev, qbytes(m, n, k) / dev / 1e9, bw / 1e9, "GB/s")
     for name in ("mlp gate/up", "mlp down"):
         n, k = SHAPES[name]
-        bad = row_invariance(n, k, tiled_bs(policy, n, k), layout_of(policy), int(os.environ.get("BENCH_ROWS", "128")))
+        bad = row_invariance(n, k, dispatched(policy, n, k)[0], layout_of(policy), int(os.environ.get("BENCH_ROWS", "128")))
         RESULTS[f"rows_{name}"] = bad[:20]
         print(f"  row invariance {name}: {'bit-identical' if not bad else f'{len(bad)} MISMATCHES {bad[:5]}'}",
               flush=True)
 
 
-def row_invariance(n, k, bs, layout=1, rows=128):
+def dispatched(policy, n, k):
+    """(f(x, w, s, b), its tiles): what `ops.qmatmul` runs for this layout: the Mosaic GPU kernel for packed pairs
+    (unless TFJAX_QMATMUL_MGPU=0), else the Triton tiled kernel with the policy's tiles."""
+    from pallas_kernels import qmatmul as qm
+    from pallas_kernels import qmatmul_mgpu as mg
+    from tfjax import ops
+
+    if policy.get("packed") and ops.mgpu_qmatmul() and mg.BlockSizes.serves(n, k, GROUP):
+        bs = mg.BlockSizes.for_weight(n, k, **mg.POLICY)
+        return (lambda x, w, s, b: mg.qmatmul_pairs(x, w, s, block_sizes=bs)), bs
+    bs = tiled_bs(policy, n, k)
+    return (lambda x, w, s, b: qm.qmatmul_tiled(x, w, s, b, bits=BITS, group_size=GROUP, block_sizes=bs)), bs
+
+
+def row_invariance(n, k, kernel, layout=1, rows=128):
     """Rows 1..rows, each inside batches of several M with fresh random neighbours, against the row alone."""
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels import qmatmul as qm
-
     w, s, b = qweights(n, k, 1, 99)[0][layout]
-    f = jax.jit(lambda x: qm.qmatmul_tiled(x, w, s, b, bits=BITS, group_size=GROUP, block_sizes=bs))
+    f = jax.jit(lambda x: kernel(x, w, s, b))
     x = jax.random.normal(jax.random.key(5), (rows, k), jnp.bfloat16)
     alone = np.stack([np.asarray(f(x[i : i + 1]))[0] for i in range(rows)])
     bad = []

@@ -26,6 +26,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 import jax
 import jax.numpy as jnp
+from bench_graph import qweights, rel_err
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from timing import device_time, median_time
@@ -82,9 +83,11 @@ def main():
     ap.add_argument("--only", choices=["probes", "kernels", "all"], default="all")
     ap.add_argument("--ncu", action="store_true")
     ap.add_argument("--mgpu-sweep", action="store_true", help="the Mosaic GPU kernel's splits, stages and probes")
+    ap.add_argument("--block-m-check", action="store_true", help="are a row's bits the same for every block_m?")
     a = ap.parse_args()
     print(jax.devices()[0].device_kind, jax.__version__, flush=True)
-    from bench_graph import qweights, rel_err
+    if a.block_m_check:
+        return block_m_check()
 
     for shape in a.shapes.split(","):
         n, k = map(int, shape.split("x"))
@@ -121,6 +124,22 @@ def main():
                 if not a.ncu and not bs.probe:
                     label += f" err {rel_err(f(*ws[0]), ref):.1e}"
                 report(a.ncu, label, f, ws, mb, t)
+
+
+def block_m_check(n=5120, k=6144, rows=64):
+    """Whether the Mosaic GPU kernel's rows keep their bits when the MMA's N (block_m) changes: if so, block_m
+    could follow M (one weight read for 64 rows) without breaking row invariance."""
+    from pallas_kernels import qmatmul_mgpu as mg
+
+    w, s, b = qweights(n, k, 1, 5)[0][2]
+    packed = quant.pack_scale_bias(s, b)
+    x = jax.random.normal(jax.random.key(1), (rows, k), jnp.bfloat16)
+    base = mg.BlockSizes.for_weight(n, k)
+    ys = {bm: jax.device_get(mg.qmatmul_pairs(x, w, packed, block_sizes=dataclasses.replace(base, block_m=bm)))
+          for bm in (8, 16, 32, 64)}
+    for bm, y in ys.items():
+        same = (y.view("uint16") == ys[8].view("uint16")).all()
+        print(f"  block_m {bm}: rows bit-identical to block_m 8: {bool(same)}", flush=True)
 
 
 def mgpu_configs(n, k, sweep):

@@ -20,12 +20,13 @@ def _weights(rng, n, k):
     return jnp.asarray(words), quant.pack_scale_bias(jnp.asarray(ps), jnp.asarray(pb))
 
 
-@pytest.mark.parametrize("m,split", [(1, 1), (17, 2)])  # one row; two row blocks (block + 1) and a K split
-def test_interpret_matches_reference(m, split):
+@pytest.mark.parametrize("m,split,operand", [(1, 1, "regs"), (9, 2, "regs"), (17, 2, "smem")])
+def test_interpret_matches_reference(m, split, operand):  # one row; two or three row blocks (block + 1), K split
     rng = np.random.default_rng(m + split)
     words, packed = _weights(rng, 128, 1024)
     x = jnp.asarray(rng.standard_normal((m, 1024)), jnp.bfloat16)
-    y = mg.qmatmul_pairs(x, words, packed, block_sizes=mg.BlockSizes(split_k=split), interpret=True)
+    bs = mg.BlockSizes(split_k=split, operand=operand, block_m=8 if operand == "regs" else 16)
+    y = mg.qmatmul_pairs(x, words, packed, block_sizes=bs, interpret=True)
     assert y.shape == (m, 128) and y.dtype == jnp.bfloat16
     assert rel_err(y, mg.reference(x, words, packed)) < 1e-2  # bf16 weights, as MLX dequantizes them
 
@@ -40,7 +41,7 @@ def test_interpret_rows_bit_identical_whatever_m_and_neighbours():
 
 
 @pytest.mark.parametrize("n,k,kw", [(17408, 5120, {}), (5120, 17408, {}), (17408, 5120, dict(stages=3, probe="no_dequant")),
-                                    (17408, 5120, dict(operand="regs", block_m=8)), (5120, 17408, dict(operand="regs"))])
+                                    (17408, 5120, dict(operand="smem", block_m=16)), (5120, 17408, dict(block_m=16))])
 def test_lowers_to_mosaic_gpu_for_the_dense27_mlp_without_a_gpu(n, k, kw):
     text = mg.lowered_for_gpu(n, k, m=3, block_sizes=mg.BlockSizes.for_weight(n, k, **kw))
     assert "mosaic_gpu" in text
@@ -72,7 +73,7 @@ def test_bad_inputs_raise_naming_the_value():
         mg.qmatmul_pairs(x[:, :256], words, packed, interpret=True)
 
 
-GPU_VARIANTS = [mg.BlockSizes(), mg.BlockSizes(operand="regs", block_m=8), mg.BlockSizes(operand="regs", stages=3)]
+GPU_VARIANTS = [mg.BlockSizes(operand="smem", block_m=16), mg.BlockSizes(), mg.BlockSizes(block_m=16, stages=3)]
 
 
 @pytest.mark.gpu

@@ -71,9 +71,9 @@ def pack_scales() -> bool:
 
 
 def mgpu_qmatmul() -> bool:
-    """Packed pair-layout Linears through the Mosaic GPU kernel (`pallas_kernels.qmatmul_mgpu`) instead of the
-    Triton one: opt-in (`TFJAX_QMATMUL_MGPU=1`) until the H200 has timed it."""
-    return os.environ.get("TFJAX_QMATMUL_MGPU", "0") == "1"
+    """Packed pair-layout Linears through the Mosaic GPU kernel (`pallas_kernels.qmatmul_mgpu`; default) instead
+    of the Triton one (`TFJAX_QMATMUL_MGPU=0`): 23.3 against 31.6 us at 17408x5120 on the H200."""
+    return os.environ.get("TFJAX_QMATMUL_MGPU", "1") == "1"
 
 
 def set_kernels(mode: str) -> None:

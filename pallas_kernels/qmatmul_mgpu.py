@@ -11,7 +11,8 @@
 Layout: the pair layout read as uint16 ``[N, K/4]``: element ``e`` of a tile's 64 holds, at nibble ``f``, input
 ``e`` of the tile's group ``f``. A group's operand is ``((v >> 4f) & 15) | 0x4300`` reinterpreted as bf16
 (``128 + q``), minus 128 (exact), times the scale, plus the bias.
-Grid: (column block, row block, K split); 64 outputs (the MMA's M) by 8 rows of x (its N) a program. The
+Grid: (column block, row block, K split); 64 outputs (the MMA's M) by M rows of x rounded up to 8, at most 64
+(the MMA's N), a program: one weight read serves up to 64 rows. The
 dequantized group goes to the MMA from registers (operand "regs", the default), x from shared memory in
 K-major 128-byte rows (x itself, transposed by the MMA); operand "smem" stores each group to shared memory
 first (with x transposed, 16 rows). H200, 17408x5120, M=1 (docs/benchmarks.md): 23.3 us (regs) against
@@ -37,16 +38,17 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from tfjax import quant
 
 POLICY: dict = {}  # BlockSizes.for_weight keywords for the default tiles (benchmarks A/B them, bench_graph.py)
+MAX_BLOCK_M = 64  # rows of x a program at most (one weight read serves them)
 GROUP = 64  # inputs per group: a tile is 4 groups, 64 uint16 a row (128 bytes: one 128-byte swizzle)
 TILE = 4 * GROUP
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Tiles of `qmatmul_pairs`; all from the weight's shape (block_m is fixed)."""
+    """Tiles of `qmatmul_pairs`: from the weight's shape, except block_m 0, which follows the rows."""
 
     block_n: int = 64  # outputs a program: the MMA's M
-    block_m: int = 8  # rows of x a program: the MMA's N
+    block_m: int = 0  # rows of x a program (the MMA's N); 0: M rounded up to 8, at most `MAX_BLOCK_M`
     split_k: int = 1
     stages: int = 2  # tiles in flight in the TMA pipeline
     operand: str = "regs"  # the dequantized weights reach the MMA from registers ("smem": through shared memory)
@@ -155,8 +157,8 @@ def _check(x, words, packed, group_size, bs: BlockSizes):
                          f"{packed.shape=} {packed.dtype=}")
     if bs.probe not in ("", "no_dequant", "loads") or bs.operand not in ("smem", "regs"):
         raise ValueError(f"unknown probe {bs.probe!r} or operand {bs.operand!r}")
-    if bs.operand == "regs" and bs.block_m % 8:
-        raise ValueError(f"operand 'regs' takes x in 8-row tiles, got block_m={bs.block_m}")
+    if bs.operand == "regs" and (bs.block_m % 8 or bs.block_m > 256) or bs.operand == "smem" and bs.block_m != 16:
+        raise ValueError(f"operand {bs.operand!r} cannot take block_m={bs.block_m} (regs: 8-row tiles; smem: 16)")
     if n % bs.block_n or k % (TILE * bs.split_k):
         raise ValueError(f"N={n} must be a multiple of {bs.block_n} and K={k} of {TILE}*split {bs.split_k}")
 
@@ -168,9 +170,11 @@ def qmatmul_pairs(x: jax.Array, words: jax.Array, packed: jax.Array, *, group_si
     k = x.shape[-1]
     n = words.shape[0]
     bs = block_sizes or BlockSizes.for_weight(n, k, **POLICY)
-    _check(x, words, packed, group_size, bs)
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
+    if not bs.block_m:  # a row's bits do not depend on the MMA's N (H200, 8..64: `probe_qmatmul --block-m-check`)
+        bs = dataclasses.replace(bs, block_m=min(MAX_BLOCK_M, pl.cdiv(m, 8) * 8))
+    _check(x, words, packed, group_size, bs)
     mp = pl.cdiv(m, bs.block_m) * bs.block_m
     xt = jnp.pad(x2.astype(jnp.bfloat16), ((0, mp - m), (0, 0)))
     xt = xt if bs.operand == "regs" else xt.T  # [K, Mp]: the MMA's right operand, K-major

@@ -150,11 +150,11 @@ def mgpu_configs(n, k, sweep):
     if not sweep:
         return [base]
     tiles = k // mg.TILE
-    regs = dataclasses.replace(base, operand="regs", block_m=8)
-    out = [base, dataclasses.replace(base, probe="loads")]
-    out += [dataclasses.replace(regs, stages=st) for st in (2, 3, 4)] + [dataclasses.replace(regs, block_m=16)]
-    out += [dataclasses.replace(regs, probe=p) for p in ("no_dequant", "loads")]
-    out += [dataclasses.replace(regs, split_k=sp) for sp in range(1, 21) if tiles % sp == 0 and sp != base.split_k]
+    smem = dataclasses.replace(base, operand="smem", block_m=16)
+    out = [smem, dataclasses.replace(smem, probe="loads")]
+    out += [dataclasses.replace(base, stages=st) for st in (2, 3, 4)] + [dataclasses.replace(base, block_m=16)]
+    out += [dataclasses.replace(base, probe=p) for p in ("no_dequant", "loads")]
+    out += [dataclasses.replace(base, split_k=sp) for sp in range(1, 21) if tiles % sp == 0 and sp != base.split_k]
     return out
 
 

@@ -84,7 +84,6 @@ def main():
     ap.add_argument("--only", choices=["probes", "kernels", "all"], default="all")
     ap.add_argument("--ncu", action="store_true")
     ap.add_argument("--mgpu-sweep", action="store_true", help="the Mosaic GPU kernel's splits, stages and probes")
-    ap.add_argument("--mgpu-overlap", action="store_true", help="the Mosaic GPU kernel with and without overlap")
     ap.add_argument("--rows", default="1", help="rows of x for the Mosaic GPU kernel, e.g. 1,16,64")
     ap.add_argument("--block-m-check", action="store_true", help="are a row's bits the same for every block_m?")
     a = ap.parse_args()
@@ -106,7 +105,7 @@ def main():
             report(a.ncu, f"probe {shape} {p}", f, [(w,) for w, _, _ in sets], sets[0][0].nbytes / 1e6,
                    time.perf_counter())
         ref = qm.reference(x, *quant.from_pair_layout(*sets[0]), bits=4, group_size=64)
-        for kw, packed in (KERNELS[2:3] if a.mgpu_sweep or a.mgpu_overlap else KERNELS) if a.only != "probes" else []:
+        for kw, packed in (KERNELS[2:3] if a.mgpu_sweep or a.rows != "1" else KERNELS) if a.only != "probes" else []:
             bs = qm.TiledBlockSizes.for_weight(n, k, 4, 64, **{**qm.PAIRS_POLICY, **kw})
             f = functools.partial(qm.qmatmul_tiled, x, bits=4, group_size=64, block_sizes=bs)
             ws = [(w, *((quant.pack_scale_bias(s, b), None) if packed else (s, b))) for w, s, b in sets]
@@ -119,11 +118,11 @@ def main():
             from pallas_kernels import qmatmul_mgpu as mg
 
             ws = [(w, quant.pack_scale_bias(s, b)) for w, s, b in sets]
-            for m, bs in itertools.product(map(int, a.rows.split(",")), mgpu_configs(n, k, a.mgpu_sweep, a.mgpu_overlap)):
+            for m, bs in itertools.product(map(int, a.rows.split(",")), mgpu_configs(n, k, a.mgpu_sweep)):
                 xm = jax.random.normal(jax.random.key(3), (m, k), jnp.bfloat16)
                 t = time.perf_counter()
                 label = (f"mgpu {shape} M={m} {bs.operand} m{bs.block_m or 'rows'} split {bs.split_k} programs "
-                         f"{n // 64 * bs.split_k} stages {bs.stages}{' overlap' * bs.overlap} {bs.probe}")
+                         f"{n // 64 * bs.split_k} stages {bs.stages} {bs.probe}")
                 f = functools.partial(mg.qmatmul_pairs, xm, block_sizes=bs)
                 if not a.ncu and not bs.probe:
                     ref_m = ref if m == 1 else qm.reference(xm, *quant.from_pair_layout(*sets[0]), bits=4, group_size=64)
@@ -147,14 +146,11 @@ def block_m_check(n=5120, k=6144, rows=64):
         print(f"  block_m {bm}: rows bit-identical to block_m 8: {bool(same)}", flush=True)
 
 
-def mgpu_configs(n, k, sweep, overlap=False):
-    """The Mosaic GPU kernel's dispatch; with `sweep`, its stages, probes and every split of K's tiles; with
-    `overlap`, the dispatch beside its MMAs run on into the next step (2 and 3 stages)."""
+def mgpu_configs(n, k, sweep):
+    """The Mosaic GPU kernel's dispatch; with `sweep`, its stages, probes and every split of K's tiles."""
     from pallas_kernels import qmatmul_mgpu as mg
 
     base = mg.BlockSizes.for_weight(n, k)
-    if overlap:
-        return [base] + [dataclasses.replace(base, overlap=True, stages=st) for st in (2, 3)]
     if not sweep:
         return [base]
     tiles = k // mg.TILE

@@ -21,13 +21,12 @@ def _weights(rng, n, k):
 
 
 # one row; 9 rows in one 16-row block; 70 rows in two 64-row blocks; 17 rows in two 16-row blocks; K splits
-@pytest.mark.parametrize("m,split,operand,overlap", [(1, 1, "regs", False), (9, 2, "regs", True), (70, 1, "regs", False),
-                                                    (17, 2, "smem", False)])
-def test_interpret_matches_reference(m, split, operand, overlap):
+@pytest.mark.parametrize("m,split,operand", [(1, 1, "regs"), (9, 2, "regs"), (70, 1, "regs"), (17, 2, "smem")])
+def test_interpret_matches_reference(m, split, operand):
     rng = np.random.default_rng(m + split)
     words, packed = _weights(rng, 128, 1024)
     x = jnp.asarray(rng.standard_normal((m, 1024)), jnp.bfloat16)
-    bs = mg.BlockSizes(split_k=split, operand=operand, block_m=0 if operand == "regs" else 16, overlap=overlap)
+    bs = mg.BlockSizes(split_k=split, operand=operand, block_m=0 if operand == "regs" else 16)
     y = mg.qmatmul_pairs(x, words, packed, block_sizes=bs, interpret=True)
     assert y.shape == (m, 128) and y.dtype == jnp.bfloat16
     assert rel_err(y, mg.reference(x, words, packed)) < 1e-2  # bf16 weights, as MLX dequantizes them
@@ -44,7 +43,7 @@ def test_interpret_rows_bit_identical_whatever_m_and_neighbours():
 
 @pytest.mark.parametrize("n,k,kw", [(17408, 5120, {}), (5120, 17408, {}), (17408, 5120, dict(stages=3, probe="no_dequant")),
                                     (17408, 5120, dict(operand="smem", block_m=16)), (5120, 17408, dict(block_m=16)),
-                                    (17408, 5120, dict(block_m=64)), (17408, 5120, dict(overlap=True, stages=3))])
+                                    (17408, 5120, dict(block_m=64))])
 def test_lowers_to_mosaic_gpu_for_the_dense27_mlp_without_a_gpu(n, k, kw):
     text = mg.lowered_for_gpu(n, k, m=3, block_sizes=mg.BlockSizes.for_weight(n, k, **kw))
     assert "mosaic_gpu" in text
@@ -78,12 +77,11 @@ def test_bad_inputs_raise_naming_the_value():
         mg.qmatmul_pairs(x[:, :256], words, packed, interpret=True)
 
 
-GPU_VARIANTS = [mg.BlockSizes(operand="smem", block_m=16), mg.BlockSizes(), mg.BlockSizes(block_m=16, stages=3),
-                mg.BlockSizes(overlap=True, stages=3)]
+GPU_VARIANTS = [mg.BlockSizes(operand="smem", block_m=16), mg.BlockSizes(), mg.BlockSizes(block_m=16, stages=3)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bs", GPU_VARIANTS, ids=["smem", "regs-rows", "regs-m16", "overlap"])
+@pytest.mark.parametrize("bs", GPU_VARIANTS, ids=["smem", "regs-rows", "regs-m16"])
 @pytest.mark.parametrize("m", [1, 16, 33])
 def test_gpu_matches_reference(m, bs):
     rng = np.random.default_rng(m)
@@ -93,7 +91,7 @@ def test_gpu_matches_reference(m, bs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bs", GPU_VARIANTS, ids=["smem", "regs-rows", "regs-m16", "overlap"])
+@pytest.mark.parametrize("bs", GPU_VARIANTS, ids=["smem", "regs-rows", "regs-m16"])
 def test_gpu_rows_1_to_64_bit_identical(bs):
     rng = np.random.default_rng(7)
     words, packed = _weights(rng, 5120, 6144)

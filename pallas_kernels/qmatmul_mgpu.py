@@ -51,6 +51,7 @@ class BlockSizes:
     block_m: int = 0  # rows of x a program (the MMA's N); 0: M rounded up to 8, at most `MAX_BLOCK_M`
     split_k: int = 1
     stages: int = 2  # tiles in flight in the TMA pipeline
+    pad_rows: bool = True  # x padded to block_m rows by XLA (one more launch), or False: by TMA's zero fill (regs)
     operand: str = "regs"  # the dequantized weights reach the MMA from registers ("smem": through shared memory)
     probe: str = ""  # timing probes (wrong results): "no_dequant" feeds raw weight bits to the MMA, "loads" skips the MMA too
 
@@ -178,7 +179,9 @@ def qmatmul_pairs(x: jax.Array, words: jax.Array, packed: jax.Array, *, group_si
         bs = dataclasses.replace(bs, block_m=min(MAX_BLOCK_M, pl.cdiv(m, 8) * 8))
     _check(x, words, packed, group_size, bs)
     mp = pl.cdiv(m, bs.block_m) * bs.block_m
-    xt = jnp.pad(x2.astype(jnp.bfloat16), ((0, mp - m), (0, 0)))
+    xt = x2.astype(jnp.bfloat16)
+    if bs.pad_rows or interpret or bs.operand != "regs":  # else the TMA boxes past row m read zeros
+        xt = jnp.pad(xt, ((0, mp - m), (0, 0)))
     xt = xt if bs.operand == "regs" else xt.T  # [K, Mp]: the MMA's right operand, K-major
     w16 = lax.bitcast_convert_type(words, jnp.uint16).reshape(n, k // 4)  # a word's low half first
     tiles = k // TILE // bs.split_k

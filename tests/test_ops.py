@@ -49,3 +49,27 @@ def test_paged_attention_falls_back_to_the_reference_for_head_dims_the_kernel_la
     got = layers.paged_attention(q, pages, table, positions)
     ops.set_kernels("reference")
     np.testing.assert_array_equal(got, layers.paged_attention(q, pages, table, positions))
+
+
+@pytest.mark.parametrize("n,mgpu,want", [(128, "1", "mgpu"), (96, "1", "triton"), (128, "0", "triton")],
+                         ids=["column-blocks", "ragged-n", "switched-off"])
+def test_packed_pair_linears_take_the_mosaic_kernel_for_whole_column_blocks(kernel_dispatch, monkeypatch, n, mgpu,
+                                                                              want):
+    """Packed pair-layout 4-bit rows go to the Mosaic GPU kernel when N is whole 64-row blocks, else Triton's."""
+    from pallas_kernels import qmatmul as qk
+    from pallas_kernels import qmatmul_mgpu as mg
+    from tests.helpers import rel_err, spy_interpreted
+    from tfjax import quant
+
+    monkeypatch.setenv("TFJAX_QMATMUL_MGPU", mgpu)
+    calls = {"mgpu": spy_interpreted(monkeypatch, mg, "qmatmul_pairs", lambda a, kw: a[0].shape),
+             "triton": spy_interpreted(monkeypatch, qk, "qmatmul_tiled", lambda a, kw: a[0].shape)}
+    rng = np.random.default_rng(n)
+    w = rng.integers(0, 2**32, (n, 512 // 8), dtype=np.uint32)
+    s = jnp.asarray(rng.uniform(0.001, 0.01, (n, 8)), jnp.bfloat16)
+    b = jnp.asarray(rng.normal(0, 0.05, (n, 8)), jnp.bfloat16)
+    pw, ps, pb = quant.to_pair_layout(jnp.asarray(w), s, b, 4, 64)
+    x = jnp.asarray(rng.standard_normal((3, 512)), jnp.bfloat16)
+    got = ops.qmatmul(x, pw, quant.pack_scale_bias(ps, pb), None, bits=4, group_size=64, rows=True, layout="pairs")
+    assert calls[want] == [(3, 512)] and all(not c for k, c in calls.items() if k != want)
+    assert rel_err(got, quant.qmatmul_reference(x, jnp.asarray(w), s, b, 4, 64)) < 1e-2

@@ -77,6 +77,7 @@ def _kernel(xt_gmem, w_gmem, sb_gmem, o_gmem, o_smem, *a_smem, bs: BlockSizes, t
     j, i, s = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("k")
     bn, bm = bs.block_n, bs.block_m
     first = s * tiles
+    emulated = interpret and bs.operand == "regs"  # the interpreter computes the register-operand MMA with a dot
 
     def read(ref, layout):  # registers in the MMA operand's layout (a plain read in interpret mode)
         return ref[...] if interpret else plgpu.load(ref, (), layout=layout)
@@ -121,8 +122,6 @@ def _kernel(xt_gmem, w_gmem, sb_gmem, o_gmem, o_smem, *a_smem, bs: BlockSizes, t
     else:
         x_spec = plgpu.BlockSpec((TILE, bm), lambda t: (first + t, i),
                                  transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32)))
-
-    emulated = interpret and bs.operand == "regs"
 
     def scope(acc):
         if emulated:

@@ -7,7 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tfjax import ops
+from pallas_kernels import qmatmul as qk
+from pallas_kernels import qmatmul_mgpu as mg
+from tests.helpers import rel_err, spy_interpreted
+from tfjax import ops, quant
 from tfjax.models import layers
 
 
@@ -56,11 +59,6 @@ def test_paged_attention_falls_back_to_the_reference_for_head_dims_the_kernel_la
 def test_packed_pair_linears_take_the_mosaic_kernel_for_whole_column_blocks(kernel_dispatch, monkeypatch, n, mgpu,
                                                                               want):
     """Packed pair-layout 4-bit rows go to the Mosaic GPU kernel when N is whole 64-row blocks, else Triton's."""
-    from pallas_kernels import qmatmul as qk
-    from pallas_kernels import qmatmul_mgpu as mg
-    from tests.helpers import rel_err, spy_interpreted
-    from tfjax import quant
-
     monkeypatch.setenv("TFJAX_QMATMUL_MGPU", mgpu)
     calls = {"mgpu": spy_interpreted(monkeypatch, mg, "qmatmul_pairs", lambda a, kw: a[0].shape),
              "triton": spy_interpreted(monkeypatch, qk, "qmatmul_tiled", lambda a, kw: a[0].shape)}

@@ -53,6 +53,9 @@ def summarize(events: list[dict], rounds: float, wall_s: float, top: int = 25) -
     return "\n".join(lines)
 
 
+KERNEL_PRIMITIVES = ("pallas_call", "mpmd_map")  # a Pallas kernel: Triton's, or Mosaic GPU's `plgpu.kernel`
+
+
 def structure(jaxpr) -> dict:
     """What a traced round launches, before XLA fuses it: Pallas kernels, loops (each iteration relaunches
     its body), and kernels inside loops; a kernel's own body is not walked."""
@@ -62,7 +65,7 @@ def structure(jaxpr) -> dict:
         for e in j.eqns:
             name = e.primitive.name
             out["ops"] += 1
-            if name == "pallas_call":
+            if name in KERNEL_PRIMITIVES:
                 out["pallas_call_in_loops" if in_loop else "pallas_call"] += 1
                 continue
             loop = name in ("while", "scan")

@@ -82,3 +82,20 @@ def test_a_round_with_kernels_has_no_loops_and_one_kernel_per_norm(monkeypatch):
     got = count()
     assert got["loops"] == 2 * layers + 1 and got["pallas_call"] == 5 * layers + 1, got
     jax.clear_caches()  # no trace made with the GPU dispatch forced outlives the test
+
+
+def test_a_mosaic_gpu_kernel_counts_as_one_launch_and_its_pipeline_as_no_loop(monkeypatch):
+    """`plgpu.kernel` traces to `mpmd_map`, not `pallas_call`: its in-kernel pipeline is not an XLA loop."""
+    import jax
+    import jax.numpy as jnp
+
+    from scripts.profile_round import structure
+    from tfjax import ops, quant
+
+    monkeypatch.setattr(ops, "_FORCE", "kernel")
+    monkeypatch.setenv("TFJAX_QMATMUL_MGPU", "1")
+    words = jnp.zeros((128, 1024 // 8), jnp.uint32)
+    packed = quant.pack_scale_bias(jnp.ones((16, 128), jnp.bfloat16), jnp.ones((16, 128), jnp.bfloat16))
+    f = lambda x: ops.qmatmul(x, words, packed, None, bits=4, group_size=64, rows=True, layout="pairs")  # noqa: E731
+    got = structure(jax.make_jaxpr(f)(jnp.ones((2, 1024), jnp.bfloat16)).jaxpr)
+    assert got["pallas_call"] == 1 and got["loops"] == 0, got

@@ -313,8 +313,8 @@ def _bf16_offset_pairs(words, j, dtype):
     return jnp.stack([lo, hi], axis=-1).reshape(words.shape[0], 2 * words.shape[1]).astype(dtype)
 
 
-def _bf16_half(words, shift):
-    """The bf16 held in bits [shift, shift + 16) of uint32 `words`."""
+def bf16_half(words, shift):
+    """The bf16 held in bits [shift, shift + 16) of uint32 `words` (a packed scale at 0, its bias at 16)."""
     return lax.bitcast_convert_type(((words >> jnp.uint32(shift)) & jnp.uint32(0xFFFF)).astype(jnp.uint16), jnp.bfloat16)
 
 
@@ -369,7 +369,7 @@ def _tiled_kernel(x_ref, *refs, m, bits, group_size, tiles_per_split, swap, fold
             if packed_scales:  # one 32-bit load a column for both: half the loads, 15 fewer registers (still plain
                 # loads: Triton's pipeliner moves only the weight and x tiles)
                 sb = s_ref[g, :]
-                out.append((_bf16_half(sb, 0), _bf16_half(sb, 16), xs))
+                out.append((bf16_half(sb, 0), bf16_half(sb, 16), xs))
             else:
                 out.append((s_ref[g, :], b_ref[g, :], xs))
         return tuple(out)

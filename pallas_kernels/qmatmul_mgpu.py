@@ -35,6 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.qmatmul import bf16_half
 from tfjax import quant
 
 POLICY: dict = {}  # BlockSizes.for_weight keywords for the default tiles (benchmarks A/B them, bench_graph.py)
@@ -93,8 +94,7 @@ def _kernel(xt_gmem, w_gmem, sb_gmem, o_gmem, o_smem, *a_smem, bs: BlockSizes, t
             if f >= 2:  # slot f % 2 last fed group f - 2's MMA: let it finish (group f - 1's may still run)
                 plgpu.wgmma_wait(1)
             sb = read(sb_smem.at[f], plgpu.Layout.WGMMA.reduce(1))  # uint32 [bn]: scale low, bias high
-            scale = lax.bitcast_convert_type((sb & jnp.uint32(0xFFFF)).astype(jnp.uint16), jnp.bfloat16)
-            bias = lax.bitcast_convert_type((sb >> jnp.uint32(16)).astype(jnp.uint16), jnp.bfloat16)
+            scale, bias = bf16_half(sb, 0), bf16_half(sb, 16)
             q = ((v >> jnp.uint16(4 * f)) & jnp.uint16(0xF)) | jnp.uint16(0x4300)
             q = lax.bitcast_convert_type(q, jnp.bfloat16)  # 128 + q, exact
             if bs.probe == "no_dequant":

@@ -203,10 +203,10 @@ def qmatmul_section(sweep: bool | str, ms=(1, 4, 16, 64)):
             g = lambda x, w, s, b: qm.reference(x, w, s, b, bits=BITS, group_size=GROUP)
             lay = layout_of(policy)
             err = rel_err(f(x, *sets[0][lay]), g(x, *sets[0][0]))
-            t = per_call(f, [(x, *s[lay]) for s in sets])
+            args = [(x, *s[lay]) for s in sets]
+            t = per_call(f, args)
             tr = per_call(g, [(x, *s[0]) for s in sets])
-            dev = device_time(jax.jit(lambda sets, f=f: [f(*a) for a in sets]), ([(x, *s[lay]) for s in sets],),
-                              "qmatmul")
+            dev = device_time(jax.jit(lambda args, f=f: [f(*a) for a in args]), (args,), "qmatmul")
             rec = dict(shape=name, n=n, k=k, m=m, us=t * 1e6, device_us=dev * 1e6, xla_us=tr * 1e6, err=err,
                        bs=dataclasses.asdict(bs))
             if name in ("mlp gate/up", "mlp down") and m in (1, 16):  # the run-1 kernel, for the notes

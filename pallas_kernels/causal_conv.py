@@ -5,6 +5,9 @@ K-1 before it). On the reference path a lane round computes it in fixed row tile
 never sees M); on the GPU that loop is several launches per DeltaNet layer. Here a program computes one
 row's block of channels with the same code whatever M is: row-invariant by construction, one launch. Channels
 are read in power-of-two pieces of at most 2048 (Triton blocks are powers of two; 10240 = 5 x 2048).
+`conv_silu_window` is the lane-round form: it reads the conv tail and the new rows where they lie (no stacked
+taps), takes the weight as the model holds it, and writes the lane's next tail: one launch where the decode
+step had five (the tail's copy and gather, the taps' stack, the weight's transpose, the conv).
 """
 
 from __future__ import annotations
@@ -72,3 +75,63 @@ def reference(taps: jax.Array, weight: jax.Array) -> jax.Array:
     w = weight.astype(jnp.float32)
     acc = sum(taps[..., j, :].astype(jnp.float32) * w[:, j] for j in range(taps.shape[-2]))
     return jax.nn.silu(acc).astype(taps.dtype)
+
+
+def _window_kernel(count_ref, tail_ref, x_ref, w_ref, o_ref, tail_out, *, k: int, c: int, block: int):
+    # count_ref [1] i32; tail_ref [(K-1) * C]; x_ref [T * C] (the lane's new rows); w_ref [C, K]; o_ref [C] (row r);
+    # tail_out [(K-1) * C]: the lane's next tail, written by row 0's programs
+    r, base = pl.program_id(1), pl.program_id(2) * block
+    km1 = k - 1
+
+    def window(w, off, size):  # window row w (the tail's K-1 rows, then the new rows), channels [off, off + size)
+        old = tail_ref[pl.ds(jnp.minimum(w, km1 - 1) * c + off, size)]
+        new = x_ref[pl.ds(jnp.maximum(w - km1, 0) * c + off, size)]
+        return jnp.where(w < km1, old.astype(new.dtype), new)
+
+    for piece_off, size in pieces(block, PIECE):
+        off = base + piece_off
+        acc = None
+        for j in range(k):
+            term = window(r + j, off, size).astype(jnp.float32) * w_ref[pl.ds(off, size), j].astype(jnp.float32)
+            acc = term if acc is None else acc + term
+        o_ref[pl.ds(off, size)] = (acc * jax.nn.sigmoid(acc)).astype(o_ref.dtype)
+
+        @pl.when(r == 0)
+        def _(off=off, size=size):
+            for i in range(km1):
+                tail_out[pl.ds(i * c + off, size)] = window(count_ref[0] + i, off, size).astype(tail_out.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
+def conv_silu_window(tail: jax.Array, rows: jax.Array, weight: jax.Array, count: jax.Array, *,
+                     block_sizes: BlockSizes = BlockSizes(), interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Lane rows through the conv: tail [B, K-1, C], rows [B, T, C], weight [C, K], count [B] ->
+    (silu(conv) [B, T, C] in rows' dtype, the tail after each lane's first `count` rows [B, K-1, C])."""
+    b, t, c = rows.shape
+    k = weight.shape[1]
+    if tail.shape != (b, k - 1, c) or weight.shape != (c, k) or count.shape != (b,):
+        raise ValueError(f"want tail [B, K-1, C], rows [B, T, C], weight [C, K], count [B], got {tail.shape=} "
+                         f"{rows.shape=} {weight.shape=} {count.shape=}")
+    programs, block = block_sizes.split(c)
+    lane = lambda n: pl.BlockSpec((None, n), lambda i, r, j: (i, 0))
+    out, new_tail = pl.pallas_call(
+        functools.partial(_window_kernel, k=k, c=c, block=block),
+        grid=(b, t, programs),
+        in_specs=[pl.BlockSpec((None, 1), lambda i, r, j: (i, 0)), lane((k - 1) * c), lane(t * c),
+                  pl.BlockSpec((c, k), lambda i, r, j: (0, 0))],
+        out_specs=[pl.BlockSpec((None, None, c), lambda i, r, j: (i, r, 0)), lane((k - 1) * c)],
+        out_shape=[jax.ShapeDtypeStruct((b, t, c), rows.dtype), jax.ShapeDtypeStruct((b, (k - 1) * c), tail.dtype)],
+        compiler_params=plgpu.CompilerParams(num_warps=block_sizes.num_warps, num_stages=1),
+        interpret=interpret,
+        name="causal_conv_window",
+    )(count.astype(jnp.int32)[:, None], tail.reshape(b, -1), rows.reshape(b, -1), weight)
+    return out, new_tail.reshape(b, k - 1, c)
+
+
+def window_reference(tail: jax.Array, rows: jax.Array, weight: jax.Array, count: jax.Array):
+    """`conv_silu_window` in plain jax.numpy: the stacked taps through `reference`, the tail by slicing."""
+    t, k = rows.shape[1], weight.shape[1]
+    window = jnp.concatenate([tail.astype(rows.dtype), rows], axis=1)
+    taps = jnp.stack([window[:, j : j + t] for j in range(k)], axis=2)
+    new_tail = jax.vmap(lambda w, n: jax.lax.dynamic_slice_in_dim(w, n, k - 1, axis=0))(window, count)
+    return reference(taps, weight), new_tail.astype(tail.dtype)

@@ -9,6 +9,10 @@ g and v_j), so a program keeps a [Dk, block_v] slice of one head's state in regi
 state is read and written once per call, where XLA's step reads it about four times a row and writes it
 twice. Row invariance: rows run one after another through the same loop body, so a row's result never
 depends on how many rows share the call; the loop runs `count` trips (rows past it are zeros).
+
+`recurrent_qkv` is the lane-round form: it reads q, k and v where the conv wrote them (one [B, T, C] array),
+L2-normalises q and k in the kernel and maps each value head to its key head, and writes the output in the
+model's dtype: one launch where the decode step had eight (the split, two norms, two repeats, the cast).
 """
 
 from __future__ import annotations
@@ -58,6 +62,108 @@ def _recurrent_kernel(count_ref, s_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s_out
 
     s_out[...] = lax.fori_loop(0, count, body, s_ref[...])
     lax.fori_loop(count, rows, zero, 0)
+
+
+def _qkv_kernel(count_ref, s_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s_out, o_ref, *, rows, scale, eps):
+    # as `_recurrent_kernel`, with q_ref, k_ref [T, Dk] the key head's raw conv outputs, normalised here
+    count = jnp.minimum(count_ref[0], rows)
+
+    def unit(x):  # the model's L2 norm (`row_norm` kind "l2"): x / sqrt(sum(x^2) + eps), in f32
+        return x / jnp.sqrt(jnp.sum(x * x) + eps)
+
+    def body(i, s):
+        q = unit(q_ref[i, :].astype(jnp.float32)) * scale
+        k = unit(k_ref[i, :].astype(jnp.float32))
+        v = v_ref[i, :].astype(jnp.float32)
+        s = s * jnp.exp(g_ref[i].astype(jnp.float32))
+        kv = jnp.sum(s * k[:, None], axis=0)
+        delta = (v - kv) * b_ref[i].astype(jnp.float32)
+        s = s + k[:, None] * delta[None, :]
+        o_ref[i, :] = jnp.sum(s * q[:, None], axis=0).astype(o_ref.dtype)
+        return s
+
+    def zero(i, carry):
+        o_ref[i, :] = jnp.zeros((o_ref.shape[1],), o_ref.dtype)
+        return carry
+
+    s_out[...] = lax.fori_loop(0, count, body, s_ref[...])
+    lax.fori_loop(count, rows, zero, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("key_heads", "eps", "out_dtype", "block_sizes", "interpret"))
+def recurrent_qkv(state: jax.Array, qkv: jax.Array, g: jax.Array, beta: jax.Array, count: jax.Array | None = None,
+                  *, key_heads: int, eps: float = 1e-6, out_dtype=jnp.float32, block_sizes: BlockSizes | None = None,
+                  interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """`recurrent` fed by the conv's output qkv [B, T, C] (C = 2 * key_heads * Dk + Hv * Dv: q, k, then v).
+
+    q and k are L2-normalised per key head (q also scaled by Dk^-1/2); value head h reads key head
+    h // (Hv / key_heads). Returns (new state, out [B, T, Hv, Dv] in `out_dtype`)."""
+    bs = block_sizes or BlockSizes()
+    _check_blocks(bs)
+    b, hv, dk, dv = state.shape
+    t, c = qkv.shape[1], qkv.shape[2]
+    if qkv.ndim != 3 or c != 2 * key_heads * dk + hv * dv or hv % key_heads or not supports(dk, dv):
+        raise ValueError(f"qkv.shape={tuple(qkv.shape)} must be [B, T, 2 * {key_heads} * {dk} + {hv} * {dv}] with "
+                         f"power-of-2 head dims and Hv a multiple of key_heads (state {state.shape})")
+    for name, arr in (("g", g), ("beta", beta)):
+        if tuple(arr.shape) != (b, t, hv):
+            raise ValueError(f"{name}.shape={tuple(arr.shape)} must be {(b, t, hv)}")
+    if count is not None and tuple(count.shape) != (b,):
+        raise ValueError(f"count.shape={tuple(count.shape)} must be ({b},)")
+    rows = max(1, 1 << (t - 1).bit_length())
+    bv = min(bs.block_v, dv)
+    rep, kd = hv // key_heads, key_heads * dk
+    n = jnp.full((b,), t, jnp.int32) if count is None else jnp.minimum(count.astype(jnp.int32), t)
+    if rows != t:
+        qkv = jnp.pad(qkv, ((0, 0), (0, rows - t), (0, 0)))
+        g, beta = (jnp.pad(a, ((0, 0), (0, rows - t), (0, 0))) for a in (g, beta))
+    new_state, out = pl.pallas_call(
+        functools.partial(_qkv_kernel, rows=rows, scale=dk**-0.5, eps=eps),
+        grid=(hv, dv // bv, b),
+        in_specs=[
+            pl.BlockSpec((None, 1), lambda h, j, n: (n, 0)),
+            pl.BlockSpec((None, None, dk, bv), lambda h, j, n: (n, h, 0, j)),
+            pl.BlockSpec((None, rows, dk), lambda h, j, n: (n, 0, h // rep)),
+            pl.BlockSpec((None, rows, dk), lambda h, j, n: (n, 0, key_heads + h // rep)),
+            pl.BlockSpec((None, rows, bv), lambda h, j, n: (n, 0, 2 * kd // bv + h * (dv // bv) + j)),
+            pl.BlockSpec((None, rows, None), lambda h, j, n: (n, 0, h)),
+            pl.BlockSpec((None, rows, None), lambda h, j, n: (n, 0, h)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, dk, bv), lambda h, j, n: (n, h, 0, j)),
+            pl.BlockSpec((None, rows, None, bv), lambda h, j, n: (n, 0, h, j)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct(state.shape, jnp.float32),
+                   jax.ShapeDtypeStruct((b, rows, hv, dv), out_dtype)],
+        input_output_aliases={1: 0},
+        compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
+        interpret=interpret,
+        name="gated_delta_recurrent_qkv",
+    )(n[:, None], state.astype(jnp.float32), qkv, qkv, qkv, g, beta)
+    return new_state, out[:, :t]
+
+
+def split_qkv(qkv: jax.Array, key_heads: int, dk: int, hv: int, eps: float = 1e-6):
+    """The model's step inputs from the conv output, in plain jax.numpy: q, k L2-normalised (q scaled by
+    Dk^-1/2) and repeated to the value heads, v; all f32 [B, T, Hv, D]."""
+    from pallas_kernels import row_norm
+
+    b, t, _ = qkv.shape
+    kd = key_heads * dk
+    q = qkv[..., :kd].reshape(b, t, key_heads, dk).astype(jnp.float32)
+    k = qkv[..., kd : 2 * kd].reshape(b, t, key_heads, dk).astype(jnp.float32)
+    v = qkv[..., 2 * kd :].reshape(b, t, hv, -1).astype(jnp.float32)
+    rep = hv // key_heads
+    q = jnp.repeat(row_norm.reference(q, kind="l2", eps=eps), rep, axis=2) * (dk**-0.5)
+    k = jnp.repeat(row_norm.reference(k, kind="l2", eps=eps), rep, axis=2)
+    return q, k, v
+
+
+def qkv_reference(state, qkv, g, beta, count=None, *, key_heads: int, eps: float = 1e-6, out_dtype=jnp.float32):
+    """`recurrent_qkv` in plain jax.numpy: `split_qkv`, then `reference`."""
+    q, k, v = split_qkv(qkv, key_heads, state.shape[2], state.shape[1], eps)
+    new_state, out = reference(state, q, k, v, g, beta, count)
+    return new_state, out.astype(out_dtype)
 
 
 def _check(state, q, k, v, g, beta, count):

@@ -83,3 +83,57 @@ def test_gpu_matches_reference_and_rows_are_independent(m):
     got = cc.conv_silu(taps, w)
     assert rel_err(got, cc.reference(taps, w)) < 1e-2
     np.testing.assert_array_equal(cc.conv_silu(taps[m - 1 :], w)[0], got[m - 1])
+
+
+def _window_case(rng, b, t, c, dtype=jnp.float32):
+    tail = jnp.asarray(rng.standard_normal((b, 3, c)), dtype)
+    rows = jnp.asarray(rng.standard_normal((b, t, c)), dtype)
+    w = jnp.asarray(rng.standard_normal((c, 4)) * 0.5, dtype)
+    count = jnp.asarray(rng.integers(0, t + 1, (b,)), jnp.int32)
+    return tail, rows, w, count
+
+
+# one row (decode), a verify block of 5 with counts 0..T; channels: 96 (3 programs of 32), 2048 + 96 (one program)
+@pytest.mark.parametrize("b,t,c,channels", [(1, 1, 96, 32), (3, 5, 96, 32), (2, 3, 2144, 512)])
+def test_window_interpret_matches_stacked_taps_and_slices_the_next_tail(b, t, c, channels):
+    tail, rows, w, count = _window_case(np.random.default_rng(t), b, t, c, jnp.bfloat16)
+    out, new_tail = cc.conv_silu_window(tail, rows, w, count, block_sizes=cc.BlockSizes(channels=channels),
+                                        interpret=True)
+    want, want_tail = cc.window_reference(tail, rows, w, count)
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(new_tail, want_tail)
+
+
+def test_window_rows_are_bit_identical_to_the_stacked_kernel():
+    """The window form gives the stacked-taps kernel's bits (same products, same order)."""
+    tail, rows, w, count = _window_case(np.random.default_rng(8), 2, 4, 96)
+    out, _ = cc.conv_silu_window(tail, rows, w, count, interpret=True)
+    window = jnp.concatenate([tail, rows], axis=1)
+    taps = jnp.stack([window[:, j : j + 4] for j in range(4)], axis=2).reshape(8, 4, 96)
+    np.testing.assert_array_equal(out.reshape(8, 96), cc.conv_silu(taps, w, interpret=True))
+
+
+def test_window_bad_shapes_raise_naming_the_value():
+    tail, rows, w, count = _window_case(np.random.default_rng(2), 2, 3, 64)
+    with pytest.raises(ValueError, match="tail.shape"):
+        cc.conv_silu_window(tail[:, :2], rows, w, count, interpret=True)
+
+
+def test_window_lowers_to_triton_for_cuda_without_a_gpu():
+    sds = jax.ShapeDtypeStruct
+    text = cc.conv_silu_window.trace(sds((1, 3, 10240), jnp.bfloat16), sds((1, 4, 10240),
+                                     jnp.bfloat16), sds((10240, 4), jnp.bfloat16), sds((1,), jnp.int32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text and "causal_conv_window" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 8])
+def test_gpu_window_equals_the_stacked_kernel_and_slices_the_tail(t):
+    assert jax.default_backend() == "gpu"
+    tail, rows, w, count = _window_case(np.random.default_rng(t), 2, t, 10240, jnp.bfloat16)
+    out, new_tail = cc.conv_silu_window(tail, rows, w, count)
+    window = jnp.concatenate([tail, rows], axis=1)
+    taps = jnp.stack([window[:, j : j + t] for j in range(4)], axis=2).reshape(2 * t, 4, 10240)
+    np.testing.assert_array_equal(out.reshape(2 * t, 10240), cc.conv_silu(taps, w))
+    np.testing.assert_array_equal(new_tail, cc.window_reference(tail, rows, w, count)[1])

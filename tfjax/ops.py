@@ -57,6 +57,13 @@ def delta_kernel() -> bool:
     return use_kernels() and os.environ.get("TFJAX_DELTA_KERNEL", "1") != "0"
 
 
+def delta_fused() -> bool:
+    """Lane-round DeltaNet rows through the two fused kernels on GPU (`causal_conv.conv_silu_window`, then
+    `gated_delta.recurrent_qkv`: conv tail, taps, norms, head repeats and casts inside them; default);
+    `TFJAX_DELTA_FUSED=0` keeps the separate conv, norms and recurrence."""
+    return delta_kernel() and norm_kernel() and os.environ.get("TFJAX_DELTA_FUSED", "1") != "0"
+
+
 def pair_layout() -> bool:
     """4-bit Linears repacked into `quant.to_pair_layout` for the tiled kernel's bf16 pair unpack on GPU (default
     since it beat the kernel layout's I2F unpack on the H200, dense27 decode 31.5 -> 38.1 tok/s; `TFJAX_PAIRS=0`

@@ -38,6 +38,22 @@ def recurrent(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax
     return recurrent_reference(state, q, k, v, g, beta, count)
 
 
+def recurrent_qkv(state: jax.Array, qkv: jax.Array, g: jax.Array, beta: jax.Array, count: jax.Array | None = None,
+                  *, out_dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+    """`recurrent` fed by the conv output qkv [B, T, 2 Hk Dk + Hv Dv] (q and k normalised on the way): the fused
+    Pallas kernel with kernels on, else `split_qkv` then `recurrent_reference`; out [B, T, Hv, Dv] in out_dtype."""
+    from pallas_kernels import gated_delta as gdk
+    from tfjax import ops
+
+    _, hv, dk, dv = state.shape
+    key_heads = (qkv.shape[-1] - hv * dv) // (2 * dk)
+    if ops.delta_kernel() and gdk.supports(dk, dv):
+        return gdk.recurrent_qkv(state, qkv, g, beta, count, key_heads=key_heads, out_dtype=out_dtype)
+    q, k, v = gdk.split_qkv(qkv, key_heads, dk, hv)
+    state, out = recurrent_reference(state, q, k, v, g, beta, count)
+    return state, out.astype(out_dtype)
+
+
 def recurrent_reference(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
                         count: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Scan `step` over rows (axis 1 of q, k, v [B, T, Hv, D] and g, beta [B, T, Hv]).

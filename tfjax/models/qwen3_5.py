@@ -44,14 +44,16 @@ class DeltaState:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DeltaTrace:
-    """What replay needs from a verify pass: pre-conv rows [B, T, C] and step inputs."""
+    """What replay needs from a verify pass: pre-conv rows [B, T, C] and step inputs (q, k, v, or on the fused
+    kernel path the conv output `qkv` [B, T, C], normalised again by the replaying kernel)."""
 
     mixed: jax.Array
-    q: jax.Array
-    k: jax.Array
-    v: jax.Array
+    q: jax.Array | None
+    k: jax.Array | None
+    v: jax.Array | None
     g: jax.Array
     beta: jax.Array
+    qkv: jax.Array | None = None
 
 
 class GatedRMSNorm(nnx.Module):
@@ -117,6 +119,14 @@ class GatedDeltaNet(nnx.Module):
         beta = jax.nn.sigmoid(b_in.astype(jnp.float32))
         a = a.astype(jnp.float32)
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias[...].astype(jnp.float32))
+        if mode.rows and ops.delta_fused():  # two launches: conv (with the next tail), recurrence (with the norms)
+            from pallas_kernels import causal_conv
+
+            qkv, new_conv = causal_conv.conv_silu_window(cache.conv, mixed, self.conv1d["weight"][...], valid)
+            state, out = gated_delta.recurrent_qkv(cache.state, qkv, g, beta, out_dtype=x.dtype)
+            out = self.norm(out, z, mode.rows)
+            trace = DeltaTrace(mixed, None, None, None, g, beta, qkv=qkv)
+            return self.out_proj(out.reshape(b, t, -1), mode.rows), DeltaState(new_conv, state), trace
         tr = self.step_inputs(mixed, cache.conv, g, beta, mode.rows)
         if mode.rows:
             state, out = gated_delta.recurrent(cache.state, tr.q, tr.k, tr.v, tr.g, tr.beta)
@@ -143,6 +153,9 @@ def conv_tail_after(conv_tail: jax.Array, mixed: jax.Array, count: jax.Array) ->
 
 def replay(start: DeltaState, trace: DeltaTrace, count: jax.Array) -> DeltaState:
     """The state after each lane's first `count` rows, recomputed from the round's start state."""
+    if trace.qkv is not None:
+        state, _ = gated_delta.recurrent_qkv(start.state, trace.qkv, trace.g, trace.beta, count)
+        return DeltaState(conv_tail_after(start.conv, trace.mixed, count), state)
     state, _ = gated_delta.recurrent(start.state, trace.q, trace.k, trace.v, trace.g, trace.beta, count=count)
     return DeltaState(conv_tail_after(start.conv, trace.mixed, count), state)
 

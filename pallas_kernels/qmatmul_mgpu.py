@@ -52,7 +52,8 @@ class BlockSizes:
     block_m: int = 0  # rows of x a program (the MMA's N); 0: M rounded up to 8, at most `MAX_BLOCK_M`
     split_k: int = 1
     stages: int = 2  # tiles in flight in the TMA pipeline
-    pad_rows: bool = True  # x padded to block_m rows by XLA (one more launch), or False: by TMA's zero fill (regs)
+    pad_rows: bool = False  # x padded to block_m rows by XLA (one more launch), or (regs) by TMA's zero fill: XLA
+    # pads only past 8 rows, to a multiple of 8 (TMA's 8-row tiles); dense27 decode, H200: 129 launches a step fewer
     operand: str = "regs"  # the dequantized weights reach the MMA from registers ("smem": through shared memory)
     probe: str = ""  # timing probes (wrong results): "no_dequant" feeds raw weight bits to the MMA, "loads" skips the MMA too
 
@@ -179,8 +180,10 @@ def qmatmul_pairs(x: jax.Array, words: jax.Array, packed: jax.Array, *, group_si
     _check(x, words, packed, group_size, bs)
     mp = pl.cdiv(m, bs.block_m) * bs.block_m
     xt = x2.astype(jnp.bfloat16)
-    if bs.pad_rows or interpret or bs.operand != "regs":  # else the TMA boxes past row m read zeros
+    if bs.pad_rows or interpret or bs.operand != "regs":
         xt = jnp.pad(xt, ((0, mp - m), (0, 0)))
+    elif m > 8 and m % 8:  # TMA reads an array of under 8 rows or of whole 8-row tiles; boxes past it read zeros
+        xt = jnp.pad(xt, ((0, -m % 8), (0, 0)))
     xt = xt if bs.operand == "regs" else xt.T  # [K, Mp]: the MMA's right operand, K-major
     w16 = lax.bitcast_convert_type(words, jnp.uint16).reshape(n, k // 4)  # a word's low half first
     tiles = k // TILE // bs.split_k

@@ -712,7 +712,7 @@ def main():
     ap.add_argument("--pairs-policy", default="", help="decode: keywords replacing the pair layout's dispatch tiles, "
                     "e.g. \"dict(programs=264, sums_outside=False)\" (A/B runs)")
     ap.add_argument("--mgpu-policy", default="", help="decode: the Mosaic GPU kernel's tile keywords (the "
-                    "dispatch unless TFJAX_QMATMUL_MGPU=0), e.g. \"dict(pad_rows=False)\"")
+                    "dispatch unless TFJAX_QMATMUL_MGPU=0), e.g. \"dict(pad_rows=True)\"")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.mgpu_policy:

@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python3 scripts/bench_graph.py [--sections base,qmatmul,attention,delta,prompt,flash,decode,hf]
         [--sweep] [--out results.json]
+    BENCH_QSHAPES=decode BENCH_MS=1,16 ... --sections base,qmatmul   # the shapes a decode step multiplies
 
 Ceilings measured in the same run: copy bandwidth (device-to-device, bytes read + written) and the bf16
 matmul rate (8192^3, random data). Every time is the median of many runs of one jitted program that
@@ -82,6 +83,10 @@ SHAPES = {  # dense27, (N, K)
     "mlp gate/up": (17408, 5120), "mlp down": (5120, 17408), "attn q+gate": (12288, 5120),
     "attn k/v": (1024, 5120), "attn o / delta out": (5120, 6144), "delta in qkv": (10240, 5120),
     "delta in z": (6144, 5120),
+}
+DECODE_SHAPES = {  # what a dense27 decode step multiplies: fused sibling projections (64-row padded), the lm_head
+    "mlp gate+up fused": (34816, 5120), "mlp down": (5120, 17408), "delta in fused": (16512, 5120),
+    "attn q+gate+k+v fused": (14336, 5120), "attn o / delta out": (5120, 6144), "lm_head": (248320, 5120),
 }
 
 
@@ -194,7 +199,9 @@ def qmatmul_section(sweep: bool | str, ms=(1, 4, 16, 64)):
         policy = candidates[min(both, key=scores.get)]
         print(f"  best policy {policy}", flush=True)
     RESULTS["qpolicy"] = policy
-    for name, (n, k) in SHAPES.items():
+    shapes = DECODE_SHAPES if os.environ.get("BENCH_QSHAPES") == "decode" else SHAPES
+    ms = tuple(map(int, os.environ["BENCH_MS"].split(","))) if os.environ.get("BENCH_MS") else ms
+    for name, (n, k) in shapes.items():
         count = max(2, min(32, math.ceil(400e6 / qbytes(1, n, k))))
         sets = qweights(n, k, count, n + 7 * k)
         f, bs = dispatched(policy, n, k)

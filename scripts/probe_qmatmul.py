@@ -83,8 +83,7 @@ def main():
     ap.add_argument("--shapes", default="17408x5120,5120x17408")
     ap.add_argument("--only", choices=["probes", "kernels", "all"], default="all")
     ap.add_argument("--ncu", action="store_true")
-    ap.add_argument("--mgpu-sweep", nargs="?", const="all", default="",
-                    help="the Mosaic GPU kernel's splits, stages and probes; 'waits': with and without group waits")
+    ap.add_argument("--mgpu-sweep", action="store_true", help="the Mosaic GPU kernel's splits, stages and probes")
     ap.add_argument("--rows", default="1", help="rows of x for the Mosaic GPU kernel, e.g. 1,16,64")
     ap.add_argument("--block-m-check", action="store_true", help="are a row's bits the same for every block_m?")
     a = ap.parse_args()
@@ -123,7 +122,7 @@ def main():
                 xm = jax.random.normal(jax.random.key(3), (m, k), jnp.bfloat16)
                 t = time.perf_counter()
                 label = (f"mgpu {shape} M={m} {bs.operand} m{bs.block_m or 'rows'} split {bs.split_k} programs "
-                         f"{n // 64 * bs.split_k} stages {bs.stages} {bs.probe}{'' if bs.group_waits else ' no group waits'}")
+                         f"{n // 64 * bs.split_k} stages {bs.stages} {bs.probe}")
                 f = functools.partial(mg.qmatmul_pairs, xm, block_sizes=bs)
                 if not a.ncu and not bs.probe:
                     ref_m = ref if m == 1 else qm.reference(xm, *quant.from_pair_layout(*sets[0]), bits=4, group_size=64)
@@ -154,9 +153,6 @@ def mgpu_configs(n, k, sweep):
     base = mg.BlockSizes.for_weight(n, k)
     if not sweep:
         return [base]
-    if sweep == "waits":  # each twice, interleaved: is a difference more than the run's noise?
-        nowait = dataclasses.replace(base, group_waits=False)
-        return [base, nowait, dataclasses.replace(nowait, stages=3), base, nowait]
     tiles = k // mg.TILE
     smem = dataclasses.replace(base, operand="smem", block_m=16)
     out = [smem, dataclasses.replace(smem, probe="loads")]

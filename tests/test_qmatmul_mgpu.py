@@ -43,8 +43,7 @@ def test_interpret_rows_bit_identical_whatever_m_and_neighbours():
 
 @pytest.mark.parametrize("n,k,kw", [(17408, 5120, {}), (5120, 17408, {}), (17408, 5120, dict(stages=3, probe="no_dequant")),
                                     (17408, 5120, dict(operand="smem", block_m=16)), (5120, 17408, dict(block_m=16)),
-                                    (17408, 5120, dict(block_m=64)), (17408, 5120, dict(pad_rows=True)),
-                                    (17408, 5120, dict(group_waits=False))])
+                                    (17408, 5120, dict(block_m=64)), (17408, 5120, dict(pad_rows=True))])
 def test_lowers_to_mosaic_gpu_for_the_dense27_mlp_without_a_gpu(n, k, kw):
     text = mg.lowered_for_gpu(n, k, m=3, block_sizes=mg.BlockSizes.for_weight(n, k, **kw))
     assert "mosaic_gpu" in text
@@ -86,11 +85,11 @@ def test_bad_inputs_raise_naming_the_value():
 
 
 GPU_VARIANTS = [mg.BlockSizes(operand="smem", block_m=16), mg.BlockSizes(), mg.BlockSizes(block_m=16, stages=3),
-                mg.BlockSizes(pad_rows=True), mg.BlockSizes(group_waits=False)]
+                mg.BlockSizes(pad_rows=True)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bs", GPU_VARIANTS, ids=["smem", "regs-rows-tma-fill", "regs-m16", "padded-rows", "no-group-waits"])
+@pytest.mark.parametrize("bs", GPU_VARIANTS, ids=["smem", "regs-rows-tma-fill", "regs-m16", "padded-rows"])
 @pytest.mark.parametrize("m", [1, 16, 33])
 def test_gpu_matches_reference(m, bs):
     rng = np.random.default_rng(m)
@@ -100,7 +99,7 @@ def test_gpu_matches_reference(m, bs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bs", GPU_VARIANTS, ids=["smem", "regs-rows-tma-fill", "regs-m16", "padded-rows", "no-group-waits"])
+@pytest.mark.parametrize("bs", GPU_VARIANTS, ids=["smem", "regs-rows-tma-fill", "regs-m16", "padded-rows"])
 def test_gpu_rows_1_to_64_bit_identical(bs):
     rng = np.random.default_rng(7)
     words, packed = _weights(rng, 5120, 6144)

@@ -579,8 +579,8 @@ def decode_section(steps=20, context=2048, layers=0, modes=("reference", "kernel
         if mode == "kernel":
             fused, packed = serving_layout(model)
             print(f"  fused {fused} projection groups, repacked {packed} linears", flush=True)
-        gd, ps = nnx.split(model)
-        cache = model.init_cache(1, context + steps + 64)
+        gd, ps = nnx.split(model) if os.environ.get("BENCH_PARAMS") == "state" else models.split(model)  # A/B
+        cache = model.init_cache(1, context + 4 * steps + 64)
         key = jax.random.key(7)
         cache.layers = [DeltaState(l.conv, jax.random.normal(key, l.state.shape) * 0.01) if isinstance(l, DeltaState)
                         else type(l)(jax.random.normal(key, l.k.shape, l.k.dtype) * 0.5,

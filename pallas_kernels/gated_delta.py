@@ -41,43 +41,15 @@ def supports(dk: int, dv: int) -> bool:
     return all(16 <= d <= 256 and d & (d - 1) == 0 for d in (dk, dv))
 
 
-def _recurrent_kernel(count_ref, s_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s_out, o_ref, *, rows):
-    # count_ref [1] i32; s_ref [Dk, bv] f32; q_ref, k_ref [T, Dk]; v_ref [T, bv]; g_ref, b_ref [T]
+def _rows(count_ref, s_ref, s_out, o_ref, rows, inputs):
+    """Run the step over the first `count` rows (inputs(i) gives row i's f32 q, k, v, g, beta); zeros after them."""
     count = jnp.minimum(count_ref[0], rows)
 
     def body(i, s):
-        q = q_ref[i, :].astype(jnp.float32)
-        k = k_ref[i, :].astype(jnp.float32)
-        v = v_ref[i, :].astype(jnp.float32)
-        s = s * jnp.exp(g_ref[i].astype(jnp.float32))
+        q, k, v, g, beta = inputs(i)
+        s = s * jnp.exp(g)
         kv = jnp.sum(s * k[:, None], axis=0)  # [Dv]: k.S
-        delta = (v - kv) * b_ref[i].astype(jnp.float32)
-        s = s + k[:, None] * delta[None, :]
-        o_ref[i, :] = jnp.sum(s * q[:, None], axis=0)
-        return s
-
-    def zero(i, carry):
-        o_ref[i, :] = jnp.zeros((o_ref.shape[1],), jnp.float32)
-        return carry
-
-    s_out[...] = lax.fori_loop(0, count, body, s_ref[...])
-    lax.fori_loop(count, rows, zero, 0)
-
-
-def _qkv_kernel(count_ref, s_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s_out, o_ref, *, rows, scale, eps):
-    # as `_recurrent_kernel`, with q_ref, k_ref [T, Dk] the key head's raw conv outputs, normalised here
-    count = jnp.minimum(count_ref[0], rows)
-
-    def unit(x):  # the model's L2 norm (`row_norm` kind "l2"): x / sqrt(sum(x^2) + eps), in f32
-        return x / jnp.sqrt(jnp.sum(x * x) + eps)
-
-    def body(i, s):
-        q = unit(q_ref[i, :].astype(jnp.float32)) * scale
-        k = unit(k_ref[i, :].astype(jnp.float32))
-        v = v_ref[i, :].astype(jnp.float32)
-        s = s * jnp.exp(g_ref[i].astype(jnp.float32))
-        kv = jnp.sum(s * k[:, None], axis=0)
-        delta = (v - kv) * b_ref[i].astype(jnp.float32)
+        delta = (v - kv) * beta
         s = s + k[:, None] * delta[None, :]
         o_ref[i, :] = jnp.sum(s * q[:, None], axis=0).astype(o_ref.dtype)
         return s
@@ -88,6 +60,25 @@ def _qkv_kernel(count_ref, s_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s_out, o_re
 
     s_out[...] = lax.fori_loop(0, count, body, s_ref[...])
     lax.fori_loop(count, rows, zero, 0)
+
+
+def _recurrent_kernel(count_ref, s_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s_out, o_ref, *, rows):
+    # count_ref [1] i32; s_ref [Dk, bv] f32; q_ref, k_ref [T, Dk]; v_ref [T, bv]; g_ref, b_ref [T]
+    f32 = lambda a: a.astype(jnp.float32)
+    _rows(count_ref, s_ref, s_out, o_ref, rows,
+          lambda i: (f32(q_ref[i, :]), f32(k_ref[i, :]), f32(v_ref[i, :]), f32(g_ref[i]), f32(b_ref[i])))
+
+
+def _qkv_kernel(count_ref, s_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s_out, o_ref, *, rows, scale, eps):
+    # as `_recurrent_kernel`, with q_ref, k_ref [T, Dk] the key head's raw conv outputs, normalised here
+    f32 = lambda a: a.astype(jnp.float32)
+
+    def unit(x):  # the model's L2 norm (`row_norm` kind "l2"): x / sqrt(sum(x^2) + eps), in f32
+        return x / jnp.sqrt(jnp.sum(x * x) + eps)
+
+    _rows(count_ref, s_ref, s_out, o_ref, rows,
+          lambda i: (unit(f32(q_ref[i, :])) * scale, unit(f32(k_ref[i, :])), f32(v_ref[i, :]), f32(g_ref[i]),
+                     f32(b_ref[i])))
 
 
 @functools.partial(jax.jit, static_argnames=("key_heads", "eps", "out_dtype", "block_sizes", "interpret"))

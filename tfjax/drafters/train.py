@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 
+from tfjax import models
 from tfjax.config import ModelConfig
 from tfjax.drafters.dflash2 import DFlashConfig, DFlashDrafter, target_layer_ids
 from tfjax.models.layers import PROMPT
@@ -70,7 +70,7 @@ def pack(prompts: list[list[int]], outputs: list[list[int]], length: int) -> dic
 @functools.partial(jax.jit, static_argnames=("target_def", "taps"))
 def tap_features(target_def, target_params, tokens: jax.Array, taps: tuple[int, ...]) -> jax.Array:
     """The target's tapped hidden states [S, T, len(taps) * D] of whole sequences tokens [S, T]."""
-    target = nnx.merge(target_def, target_params)
+    target = models.merge(target_def, target_params)
     s, t = tokens.shape
     cache = target.init_cache(s, t)
     mode = dataclasses.replace(PROMPT, last_only=False, taps=taps)
@@ -129,10 +129,10 @@ def make_step(optimizer, anchors: int, gamma: float):
 
     @functools.partial(jax.jit, static_argnames=("drafter_def", "target_def"), donate_argnames=("params", "opt"))
     def step(drafter_def, params, opt, target_def, target_params, batch, key):
-        target = nnx.merge(target_def, target_params)
+        target = models.merge(target_def, target_params)
 
         def loss_of(p):
-            return block_loss(nnx.merge(drafter_def, p), target, batch["feats"], batch["tokens"], batch["lengths"],
+            return block_loss(models.merge(drafter_def, p), target, batch["feats"], batch["tokens"], batch["lengths"],
                               batch["starts"], key, anchors, gamma)
 
         (loss, stats), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
@@ -155,5 +155,5 @@ def evaluate(drafter_def, params, target_def, target_params, batch, anchors: int
 
 @functools.partial(jax.jit, static_argnames=("drafter_def", "target_def", "anchors", "gamma"))
 def _eval(drafter_def, params, target_def, target_params, batch, key, anchors, gamma):
-    return block_loss(nnx.merge(drafter_def, params), nnx.merge(target_def, target_params), batch["feats"],
+    return block_loss(models.merge(drafter_def, params), models.merge(target_def, target_params), batch["feats"],
                       batch["tokens"], batch["lengths"], batch["starts"], key, anchors, gamma)

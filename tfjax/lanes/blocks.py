@@ -11,8 +11,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
+from tfjax import models
 from tfjax.lanes.round import LaneState, _lane_cache, _put_lane, _reset_if_first
 from tfjax.models.layers import PROMPT
 from tfjax.models.qwen3_5 import Cache
@@ -27,11 +27,11 @@ def _lane_view(cache: Cache, lane: jax.Array) -> Cache:
 def prefill_chunk(target_def, target_params, drafter_def, drafter_params, cache: Cache, draft_cache: Cache,
                   lane: jax.Array, tokens: jax.Array, start: jax.Array, valid: jax.Array):
     """Feed one prompt chunk [1, C] of one lane to the target and the drafter's context: (logits [1, V], caches)."""
-    drafter = nnx.merge(drafter_def, drafter_params)
+    drafter = models.merge(drafter_def, drafter_params)
     sub = _lane_cache(cache, lane)
     sub = dataclasses.replace(sub, layers=[_reset_if_first(l, start) for l in sub.layers])
     mode = dataclasses.replace(PROMPT, taps=drafter.config.target_layer_ids)
-    logits, sub, _, taps = nnx.merge(target_def, target_params)(tokens, start[None], valid[None], sub, mode)
+    logits, sub, _, taps = models.merge(target_def, target_params)(tokens, start[None], valid[None], sub, mode)
     drafted = drafter.absorb(taps, start[None], valid[None], _lane_view(draft_cache, lane))
     return logits, _put_lane(cache, sub, lane), Cache(drafted.layers, draft_cache.page_table)
 
@@ -40,10 +40,10 @@ def prefill_chunk(target_def, target_params, drafter_def, drafter_params, cache:
 def first_block(target_def, target_params, drafter_def, drafter_params, state: LaneState,
                 lane: jax.Array) -> LaneState:
     """Draft a newly admitted lane's first block from its pending token."""
-    drafter = nnx.merge(drafter_def, drafter_params)
+    drafter = models.merge(drafter_def, drafter_params)
     pos = state.length[lane] - 1
     pending = state.history[lane, pos]
-    block = drafter.propose(nnx.merge(target_def, target_params), pending[None], pos[None],
+    block = drafter.propose(models.merge(target_def, target_params), pending[None], pos[None],
                             _lane_view(state.draft_cache, lane))
     return dataclasses.replace(state, block=state.block.at[lane].set(block[0]))
 

@@ -21,9 +21,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
-from tfjax import sampling
+from tfjax import models, sampling
 from tfjax.lanes.config import LaneConfig
 from tfjax.lanes.copies import propose_copies
 from tfjax.lanes.drafter import RoundFacts
@@ -66,7 +65,7 @@ class RoundOut:
 
 
 def _forward(graphdef, params, tokens, start, valid, cache, mode):
-    return nnx.merge(graphdef, params)(tokens, start, valid, cache, mode)
+    return models.merge(graphdef, params)(tokens, start, valid, cache, mode)
 
 
 def _replay_layers(start: Cache, new: Cache, traces: list, count: jax.Array) -> Cache:
@@ -148,7 +147,7 @@ def lane_round(target_def, target_params, drafter_def, drafter_params, state: La
     start = jnp.where(state.active, length - 1, context)  # idle lanes write nowhere
     mode = ROWS
     if blocks:
-        drafter = nnx.merge(drafter_def, drafter_params)
+        drafter = models.merge(drafter_def, drafter_params)
         mode = dataclasses.replace(ROWS, taps=drafter.config.target_layer_ids)
     logits, cache, traces, *taps = _forward(target_def, target_params, rows, start, jnp.full_like(start, width),
                                             state.cache, mode)
@@ -179,7 +178,7 @@ def lane_round(target_def, target_params, drafter_def, drafter_params, state: La
         wanted = lanes_wanting_a_block(history, new_len, state.active & state.drafting, spec.facts.copy_match, n_prop)
 
         def draft(_):
-            return drafter.propose(nnx.merge(target_def, target_params), pend,
+            return drafter.propose(models.merge(target_def, target_params), pend,
                                    jnp.where(state.active, new_len - 1, context), draft_cache)
 
         block = jax.lax.cond(jnp.any(wanted), draft, lambda _: state.block, None)

@@ -1,6 +1,7 @@
 """Aggregate tok/s of the engine on the tiny random model, where the host's per-round work weighs most.
 
   python3 scripts/bench_engine_overlap.py [REPO]   # REPO: the checkout to import tfjax from (A/B two trees)
+  python3 scripts/bench_engine_overlap.py [REPO] --profile   # cProfile of three runs: where the host's time goes
 
 Four lanes, width 5, four 30-token prompts decoding 96 tokens each; one warm-up run, then the median of
 five timed runs of `Engine.run`.
@@ -13,8 +14,10 @@ import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if len(sys.argv) > 1:
-    sys.path.insert(0, sys.argv[1])
+PROFILE = "--profile" in sys.argv
+ARGS = [a for a in sys.argv[1:] if a != "--profile"]
+if ARGS:
+    sys.path.insert(0, ARGS[0])
 
 import numpy as np  # noqa: E402
 
@@ -32,6 +35,17 @@ def main():
     engine = Engine(models.build(geometry.tiny_dense, seed=11),
                     LaneConfig(capacity=4, width=5, context=192, page_size=16), eos_ids=())
     engine.run(requests(0))
+    if PROFILE:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        for rep in range(3):
+            engine.run(requests(rep + 1))
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+        return
     rates = []
     for rep in range(5):
         t = time.perf_counter()

@@ -53,7 +53,7 @@ class BlockSizes:
     split_k: int = 1
     stages: int = 2  # tiles in flight in the TMA pipeline
     pad_rows: bool = False  # x padded to block_m rows by XLA (one more launch), or (regs) by TMA's zero fill: XLA
-    # pads only past 8 rows, to a multiple of 8 (TMA's 8-row tiles); dense27 decode, H200: 129 launches a step fewer
+    # pads only past 8 rows, to a multiple of 8 (TMA's 8-row tiles); dense27 decode, H200: 161 launches a step fewer
     operand: str = "regs"  # the dequantized weights reach the MMA from registers ("smem": through shared memory)
     probe: str = ""  # timing probes (wrong results): "no_dequant" feeds raw weight bits to the MMA, "loads" skips the MMA too
 
@@ -92,8 +92,10 @@ def _kernel(xt_gmem, w_gmem, sb_gmem, o_gmem, o_smem, *a_smem, bs: BlockSizes, t
             return acc
         v = read(w_smem, plgpu.Layout.WGMMA)  # uint16 [bn, 64]
         for f in range(4):
-            if f >= 2:  # slot f % 2 last fed group f - 2's MMA: let it finish (group f - 1's may still run; with
-                plgpu.wgmma_wait(1)  # the register operand, waiting only at the tile's end measured the same)
+            # slot f % 2 last fed group f - 2's MMA: let it finish (group f - 1's may still run); with the register
+            # operand, waiting only at the tile's end measured the same on the H200
+            if f >= 2:
+                plgpu.wgmma_wait(1)
             sb = read(sb_smem.at[f], plgpu.Layout.WGMMA.reduce(1))  # uint32 [bn]: scale low, bias high
             scale, bias = bf16_half(sb, 0), bf16_half(sb, 16)
             q = ((v >> jnp.uint16(4 * f)) & jnp.uint16(0xF)) | jnp.uint16(0x4300)

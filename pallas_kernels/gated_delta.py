@@ -81,6 +81,25 @@ def _qkv_kernel(count_ref, s_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s_out, o_re
                      f32(b_ref[i])))
 
 
+def _call(kernel, rows_in, state, rows: int, bv: int, out_dtype, bs: BlockSizes, interpret: bool, name: str):
+    """The recurrence's pallas_call: grid (value head, value block, lane); count, state, the three row inputs
+    (`rows_in`: q, k, v specs), g and beta in; the state (updated in place) and the rows' outputs out."""
+    b, hv, dk, dv = state.shape
+    gate = pl.BlockSpec((None, rows, None), lambda h, j, n: (n, 0, h))
+    state_block = pl.BlockSpec((None, None, dk, bv), lambda h, j, n: (n, h, 0, j))
+    return pl.pallas_call(
+        kernel,
+        grid=(hv, dv // bv, b),
+        in_specs=[pl.BlockSpec((None, 1), lambda h, j, n: (n, 0)), state_block, *rows_in, gate, gate],
+        out_specs=[state_block, pl.BlockSpec((None, rows, None, bv), lambda h, j, n: (n, 0, h, j))],
+        out_shape=[jax.ShapeDtypeStruct(state.shape, jnp.float32), jax.ShapeDtypeStruct((b, rows, hv, dv), out_dtype)],
+        input_output_aliases={1: 0},  # the state is updated in place
+        compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
+        interpret=interpret,
+        name=name,
+    )
+
+
 @functools.partial(jax.jit, static_argnames=("key_heads", "eps", "out_dtype", "block_sizes", "interpret"))
 def recurrent_qkv(state: jax.Array, qkv: jax.Array, g: jax.Array, beta: jax.Array, count: jax.Array | None = None,
                   *, key_heads: int, eps: float = 1e-6, out_dtype=jnp.float32, block_sizes: BlockSizes | None = None,
@@ -108,29 +127,12 @@ def recurrent_qkv(state: jax.Array, qkv: jax.Array, g: jax.Array, beta: jax.Arra
     if rows != t:
         qkv = jnp.pad(qkv, ((0, 0), (0, rows - t), (0, 0)))
         g, beta = (jnp.pad(a, ((0, 0), (0, rows - t), (0, 0))) for a in (g, beta))
-    new_state, out = pl.pallas_call(
-        functools.partial(_qkv_kernel, rows=rows, scale=dk**-0.5, eps=eps),
-        grid=(hv, dv // bv, b),
-        in_specs=[
-            pl.BlockSpec((None, 1), lambda h, j, n: (n, 0)),
-            pl.BlockSpec((None, None, dk, bv), lambda h, j, n: (n, h, 0, j)),
-            pl.BlockSpec((None, rows, dk), lambda h, j, n: (n, 0, h // rep)),
-            pl.BlockSpec((None, rows, dk), lambda h, j, n: (n, 0, key_heads + h // rep)),
-            pl.BlockSpec((None, rows, bv), lambda h, j, n: (n, 0, 2 * kd // bv + h * (dv // bv) + j)),
-            pl.BlockSpec((None, rows, None), lambda h, j, n: (n, 0, h)),
-            pl.BlockSpec((None, rows, None), lambda h, j, n: (n, 0, h)),
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, dk, bv), lambda h, j, n: (n, h, 0, j)),
-            pl.BlockSpec((None, rows, None, bv), lambda h, j, n: (n, 0, h, j)),
-        ],
-        out_shape=[jax.ShapeDtypeStruct(state.shape, jnp.float32),
-                   jax.ShapeDtypeStruct((b, rows, hv, dv), out_dtype)],
-        input_output_aliases={1: 0},
-        compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
-        interpret=interpret,
-        name="gated_delta_recurrent_qkv",
-    )(n[:, None], state.astype(jnp.float32), qkv, qkv, qkv, g, beta)
+    rows_in = [pl.BlockSpec((None, rows, dk), lambda h, j, n: (n, 0, h // rep)),
+               pl.BlockSpec((None, rows, dk), lambda h, j, n: (n, 0, key_heads + h // rep)),
+               pl.BlockSpec((None, rows, bv), lambda h, j, n: (n, 0, 2 * kd // bv + h * (dv // bv) + j))]
+    new_state, out = _call(functools.partial(_qkv_kernel, rows=rows, scale=dk**-0.5, eps=eps), rows_in, state,
+                           rows, bv, out_dtype, bs, interpret, "gated_delta_recurrent_qkv")(
+        n[:, None], state.astype(jnp.float32), qkv, qkv, qkv, g, beta)
     return new_state, out[:, :t]
 
 
@@ -193,29 +195,12 @@ def recurrent(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax
     if rows != t:
         q, k, v = (jnp.pad(a, ((0, 0), (0, rows - t), (0, 0), (0, 0))) for a in (q, k, v))
         g, beta = (jnp.pad(a, ((0, 0), (0, rows - t), (0, 0))) for a in (g, beta))
-    new_state, out = pl.pallas_call(
-        functools.partial(_recurrent_kernel, rows=rows),
-        grid=(hv, dv // bv, b),
-        in_specs=[
-            pl.BlockSpec((None, 1), lambda h, j, n: (n, 0)),
-            pl.BlockSpec((None, None, dk, bv), lambda h, j, n: (n, h, 0, j)),
-            pl.BlockSpec((None, rows, None, dk), lambda h, j, n: (n, 0, h, 0)),
-            pl.BlockSpec((None, rows, None, dk), lambda h, j, n: (n, 0, h, 0)),
-            pl.BlockSpec((None, rows, None, bv), lambda h, j, n: (n, 0, h, j)),
-            pl.BlockSpec((None, rows, None), lambda h, j, n: (n, 0, h)),
-            pl.BlockSpec((None, rows, None), lambda h, j, n: (n, 0, h)),
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, dk, bv), lambda h, j, n: (n, h, 0, j)),
-            pl.BlockSpec((None, rows, None, bv), lambda h, j, n: (n, 0, h, j)),
-        ],
-        out_shape=[jax.ShapeDtypeStruct(state.shape, jnp.float32),
-                   jax.ShapeDtypeStruct((b, rows, hv, dv), jnp.float32)],
-        input_output_aliases={1: 0},  # the state is updated in place
-        compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
-        interpret=interpret,
-        name="gated_delta_recurrent",
-    )(n[:, None], state.astype(jnp.float32), q, k, v, g, beta)
+    rows_in = [pl.BlockSpec((None, rows, None, dk), lambda h, j, n: (n, 0, h, 0)),
+               pl.BlockSpec((None, rows, None, dk), lambda h, j, n: (n, 0, h, 0)),
+               pl.BlockSpec((None, rows, None, bv), lambda h, j, n: (n, 0, h, j))]
+    new_state, out = _call(functools.partial(_recurrent_kernel, rows=rows), rows_in, state, rows, bv, jnp.float32,
+                           bs, interpret, "gated_delta_recurrent")(n[:, None], state.astype(jnp.float32), q, k, v, g,
+                                                                    beta)
     return new_state, out[:, :t]
 
 

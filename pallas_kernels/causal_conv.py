@@ -37,16 +37,23 @@ class BlockSizes:
         return (c // self.channels, self.channels) if c % self.channels == 0 else (1, c)
 
 
+def _silu_conv(tap, weight, k: int) -> jax.Array:
+    """silu(sum_j tap(j) * weight(j)) in f32, the taps summed oldest first (both kernels' arithmetic)."""
+    acc = None
+    for j in range(k):
+        term = tap(j).astype(jnp.float32) * weight(j)
+        acc = term if acc is None else acc + term
+    return acc * jax.nn.sigmoid(acc)
+
+
 def _conv_kernel(x_ref, w_ref, o_ref, *, k: int, c: int, block: int):
     # x_ref [K * C] (tap j of channel c at j * C + c); w_ref [K, C] f32; o_ref [C]; this program: `block` channels
     base = pl.program_id(1) * block
     for piece_off, size in pieces(block, PIECE):
         off = base + piece_off
-        acc = None
-        for j in range(k):
-            term = x_ref[pl.ds(j * c + off, size)].astype(jnp.float32) * w_ref[j, pl.ds(off, size)]
-            acc = term if acc is None else acc + term
-        o_ref[pl.ds(off, size)] = (acc * jax.nn.sigmoid(acc)).astype(o_ref.dtype)
+        y = _silu_conv(lambda j, off=off, size=size: x_ref[pl.ds(j * c + off, size)],
+                       lambda j, off=off, size=size: w_ref[j, pl.ds(off, size)], k)
+        o_ref[pl.ds(off, size)] = y.astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
@@ -90,11 +97,9 @@ def _window_kernel(count_ref, tail_ref, x_ref, w_ref, o_ref, tail_out, *, k: int
 
     for piece_off, size in pieces(block, PIECE):
         off = base + piece_off
-        acc = None
-        for j in range(k):
-            term = window(r + j, off, size).astype(jnp.float32) * w_ref[pl.ds(off, size), j].astype(jnp.float32)
-            acc = term if acc is None else acc + term
-        o_ref[pl.ds(off, size)] = (acc * jax.nn.sigmoid(acc)).astype(o_ref.dtype)
+        y = _silu_conv(lambda j, off=off, size=size: window(r + j, off, size),
+                       lambda j, off=off, size=size: w_ref[pl.ds(off, size), j].astype(jnp.float32), k)
+        o_ref[pl.ds(off, size)] = y.astype(o_ref.dtype)
 
         @pl.when(r == 0)
         def _(off=off, size=size):

@@ -136,25 +136,11 @@ def recurrent_qkv(state: jax.Array, qkv: jax.Array, g: jax.Array, beta: jax.Arra
     return new_state, out[:, :t]
 
 
-def split_qkv(qkv: jax.Array, key_heads: int, dk: int, hv: int, eps: float = 1e-6):
-    """The model's step inputs from the conv output, in plain jax.numpy: q, k L2-normalised (q scaled by
-    Dk^-1/2) and repeated to the value heads, v; all f32 [B, T, Hv, D]."""
-    from pallas_kernels import row_norm
-
-    b, t, _ = qkv.shape
-    kd = key_heads * dk
-    q = qkv[..., :kd].reshape(b, t, key_heads, dk).astype(jnp.float32)
-    k = qkv[..., kd : 2 * kd].reshape(b, t, key_heads, dk).astype(jnp.float32)
-    v = qkv[..., 2 * kd :].reshape(b, t, hv, -1).astype(jnp.float32)
-    rep = hv // key_heads
-    q = jnp.repeat(row_norm.reference(q, kind="l2", eps=eps), rep, axis=2) * (dk**-0.5)
-    k = jnp.repeat(row_norm.reference(k, kind="l2", eps=eps), rep, axis=2)
-    return q, k, v
-
-
 def qkv_reference(state, qkv, g, beta, count=None, *, key_heads: int, eps: float = 1e-6, out_dtype=jnp.float32):
-    """`recurrent_qkv` in plain jax.numpy: `split_qkv`, then `reference`."""
-    q, k, v = split_qkv(qkv, key_heads, state.shape[2], state.shape[1], eps)
+    """`recurrent_qkv` in plain jax.numpy: the model's `split_qkv`, then `reference`."""
+    from tfjax.models.gated_delta import split_qkv
+
+    q, k, v = split_qkv(qkv, key_heads, state.shape[2], state.shape[1], eps=eps)
     new_state, out = reference(state, q, k, v, g, beta, count)
     return new_state, out.astype(out_dtype)
 

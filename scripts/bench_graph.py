@@ -637,7 +637,7 @@ def decode_section(steps=20, context=2048, layers=0, modes=("reference", "kernel
                                           same_argmax=bool(got.argmax() == ref.argmax()),
                                           ref_top2_margin=float(top2[1] - top2[0]),
                                           max_abs_err=float(np.abs(got - ref).max()), agreeing_steps=same)
-    print(f"  kernel tokens == reference tokens: {RESULTS['decode_same_tokens']} (first {same} of {len(seq)} "
+    print(f"  kernel tokens == reference tokens: {RESULTS['decode_same_tokens']} (first {same} of {len(tokens['kernel'])} "
           f"agree); first step's logits, same inputs: {RESULTS['decode_first_logits']}", flush=True)
 
 

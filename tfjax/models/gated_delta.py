@@ -49,9 +49,25 @@ def recurrent_qkv(state: jax.Array, qkv: jax.Array, g: jax.Array, beta: jax.Arra
     key_heads = (qkv.shape[-1] - hv * dv) // (2 * dk)
     if ops.delta_kernel() and gdk.supports(dk, dv):
         return gdk.recurrent_qkv(state, qkv, g, beta, count, key_heads=key_heads, out_dtype=out_dtype)
-    q, k, v = gdk.split_qkv(qkv, key_heads, dk, hv)
+    q, k, v = split_qkv(qkv, key_heads, dk, hv, rows=True)  # lane rounds only: row-tiled norms
     state, out = recurrent_reference(state, q, k, v, g, beta, count)
     return state, out.astype(out_dtype)
+
+
+def split_qkv(qkv: jax.Array, key_heads: int, dk: int, hv: int, *, rows: bool = False, eps: float = 1e-6):
+    """The step inputs from the conv output qkv [B, T, 2 Hk Dk + Hv Dv]: q, k L2-normalised (`ops.row_norm`, in
+    fixed row tiles when `rows`; q scaled by Dk^-1/2) and repeated to the value heads, v; all f32 [B, T, Hv, D]."""
+    from tfjax import ops
+
+    b, t, _ = qkv.shape
+    kd = key_heads * dk
+    q = qkv[..., :kd].reshape(b, t, key_heads, dk).astype(jnp.float32)
+    k = qkv[..., kd : 2 * kd].reshape(b, t, key_heads, dk).astype(jnp.float32)
+    v = qkv[..., 2 * kd :].reshape(b, t, hv, -1).astype(jnp.float32)
+    rep = hv // key_heads
+    q = jnp.repeat(ops.row_norm(q, kind="l2", eps=eps, rows=rows), rep, axis=2) * (dk**-0.5)
+    k = jnp.repeat(ops.row_norm(k, kind="l2", eps=eps, rows=rows), rep, axis=2)
+    return q, k, v
 
 
 def recurrent_reference(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,

@@ -101,13 +101,8 @@ class GatedDeltaNet(nnx.Module):
         b, t, _ = mixed.shape
         window = jnp.concatenate([conv_tail.astype(mixed.dtype), mixed], axis=1)
         qkv = self.conv(window, t, rows)
-        kd, vd = c.linear_key_dim, c.linear_value_dim
-        q = qkv[..., :kd].reshape(b, t, c.linear_num_key_heads, -1).astype(jnp.float32)
-        k = qkv[..., kd : 2 * kd].reshape(b, t, c.linear_num_key_heads, -1).astype(jnp.float32)
-        v = qkv[..., 2 * kd : 2 * kd + vd].reshape(b, t, c.linear_num_value_heads, -1).astype(jnp.float32)
-        rep = c.linear_num_value_heads // c.linear_num_key_heads
-        q = jnp.repeat(ops.row_norm(q, kind="l2", eps=1e-6, rows=rows), rep, axis=2) * (q.shape[-1] ** -0.5)
-        k = jnp.repeat(ops.row_norm(k, kind="l2", eps=1e-6, rows=rows), rep, axis=2)
+        q, k, v = gated_delta.split_qkv(qkv, c.linear_num_key_heads, c.linear_key_head_dim, c.linear_num_value_heads,
+                                        rows=rows)
         return DeltaTrace(mixed, q, k, v, g, beta)
 
     def __call__(self, x: jax.Array, cache: DeltaState, valid: jax.Array,
@@ -124,21 +119,20 @@ class GatedDeltaNet(nnx.Module):
 
             qkv, new_conv = causal_conv.conv_silu_window(cache.conv, mixed, self.conv1d["weight"][...], valid)
             state, out = gated_delta.recurrent_qkv(cache.state, qkv, g, beta, out_dtype=x.dtype)
-            out = self.norm(out, z, mode.rows)
             trace = DeltaTrace(mixed, None, None, None, g, beta, qkv=qkv)
-            return self.out_proj(out.reshape(b, t, -1), mode.rows), DeltaState(new_conv, state), trace
-        tr = self.step_inputs(mixed, cache.conv, g, beta, mode.rows)
-        if mode.rows:
-            state, out = gated_delta.recurrent(cache.state, tr.q, tr.k, tr.v, tr.g, tr.beta)
-            trace = tr
         else:
-            live = (jnp.arange(t)[None, :] < valid[:, None])  # padded rows leave the state alone
-            m = live[..., None, None]
-            state, out = gated_delta.chunked(cache.state, jnp.where(m, tr.q, 0), jnp.where(m, tr.k, 0),
-                                             jnp.where(m, tr.v, 0), jnp.where(live[..., None], g, 0),
-                                             jnp.where(live[..., None], beta, 0))
-            trace = None
-        new_conv = conv_tail_after(cache.conv, mixed, valid)
+            tr = self.step_inputs(mixed, cache.conv, g, beta, mode.rows)
+            if mode.rows:
+                state, out = gated_delta.recurrent(cache.state, tr.q, tr.k, tr.v, tr.g, tr.beta)
+                trace = tr
+            else:
+                live = (jnp.arange(t)[None, :] < valid[:, None])  # padded rows leave the state alone
+                m = live[..., None, None]
+                state, out = gated_delta.chunked(cache.state, jnp.where(m, tr.q, 0), jnp.where(m, tr.k, 0),
+                                                 jnp.where(m, tr.v, 0), jnp.where(live[..., None], g, 0),
+                                                 jnp.where(live[..., None], beta, 0))
+                trace = None
+            new_conv = conv_tail_after(cache.conv, mixed, valid)
         out = self.norm(out.astype(x.dtype), z, mode.rows)
         return self.out_proj(out.reshape(b, t, -1), mode.rows), DeltaState(new_conv, state), trace
 
@@ -153,10 +147,10 @@ def conv_tail_after(conv_tail: jax.Array, mixed: jax.Array, count: jax.Array) ->
 
 def replay(start: DeltaState, trace: DeltaTrace, count: jax.Array) -> DeltaState:
     """The state after each lane's first `count` rows, recomputed from the round's start state."""
-    if trace.qkv is not None:
+    if trace.qkv is not None:  # the fused kernel path's trace
         state, _ = gated_delta.recurrent_qkv(start.state, trace.qkv, trace.g, trace.beta, count)
-        return DeltaState(conv_tail_after(start.conv, trace.mixed, count), state)
-    state, _ = gated_delta.recurrent(start.state, trace.q, trace.k, trace.v, trace.g, trace.beta, count=count)
+    else:
+        state, _ = gated_delta.recurrent(start.state, trace.q, trace.k, trace.v, trace.g, trace.beta, count=count)
     return DeltaState(conv_tail_after(start.conv, trace.mixed, count), state)
 
 

@@ -5,17 +5,18 @@ Shapes: ``q [B, T, H, E]`` (T query rows per lane at absolute ``positions [B, T]
 ``page_table[b, p // page]`` at offset ``p % page``). A row at p sees keys 0..p (causal within the lane's
 window). GQA: the ``R = H // G`` query heads of a KV head and the T rows form the query block's rows.
 
-Grid: (query block, key chunk, KV head, lane). A program takes ``block_q`` rows of one (lane, KV head)
-and one chunk of ``chunk_k`` keys starting at an absolute position that is a multiple of ``chunk_k``;
-it walks that chunk in ``block_k`` key tiles (an online softmax in float32) and writes its partial
-(unnormalised output, running max, running sum). The partials are combined outside the kernel: max,
-then a sum in a fixed pairwise order over chunks.
+Grid: (query group, key chunk, KV head, lane). A program takes up to ``q_blocks`` blocks of ``block_q`` rows
+of one (lane, KV head) and one chunk of ``chunk_k`` keys starting at an absolute position that is a multiple
+of ``chunk_k``; it walks that chunk in ``block_k`` key tiles, each tile read once for all its blocks, each
+block its own online softmax in float32, and writes its partial (unnormalised output, running max, running
+sum). The partials are combined outside the kernel: max, then a sum in a fixed pairwise order over chunks.
 
 Row invariance (a row's result is bit-identical whether it is alone or one of T verify rows): chunk and
 tile boundaries are fixed by absolute key position; a row's scores, running max and sum use only its own
 q and the keys; tiles a row cannot see (past its position, processed because another row of the block
 can) leave its state untouched (a select, not an update by exp(0) * ... + 0); ``block_q`` is fixed, so
-every row goes through the same instructions; chunks past a row's position contribute exact zeros.
+every row goes through the same instructions whether its block is alone in a program or beside others;
+chunks past a row's position contribute exact zeros.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ NEG = -1e30  # finite "minus infinity" for the running max, so dead rows never c
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    block_q: int = 16  # query rows (row, head) per program
+    block_q: int = 16  # query rows (row, head) a block: the dots' M, fixed so every row runs the same instructions
+    q_blocks: int = 4  # blocks at most a program (one read of a key tile serves them): 8 verify rows of 6 heads = 3
     block_k: int = 64  # keys per tile; a multiple of the page size
     chunk_k: int = 512  # keys per program; a multiple of block_k
     num_warps: int = 4
@@ -54,26 +56,29 @@ class BlockSizes:
             chunk *= 2
         return chunk
 
+    def group_for(self, rows: int) -> int:
+        """Blocks a program for `rows` query rows: the fewest programs, then blocks spread evenly over them."""
+        blocks = pl.cdiv(rows, self.block_q)
+        return pl.cdiv(blocks, pl.cdiv(blocks, self.q_blocks))
 
-def _paged_kernel(q_ref, pos_ref, pt_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, page, block_k, chunk_k, scale):
-    # q_ref [bq, E]; pos_ref [bq] i32 (-1 marks a padding row); pt_ref [n_pad] i32; k_ref, v_ref [P, page, E]
-    # o_ref [bq, E] f32 (unnormalised); m_ref, l_ref [bq] f32
-    block_q, e = q_ref.shape
+
+DEFAULT = BlockSizes()  # what a call without block_sizes takes (benchmarks A/B it: bench_graph.py --attn-blocks)
+
+
+def _paged_kernel(q_ref, pos_ref, pt_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, page, block_k, chunk_k, scale,
+                  blocks):
+    # q_ref [blocks * bq, E]; pos_ref [blocks * bq] i32 (-1 marks a padding row); pt_ref [n_pad] i32;
+    # k_ref, v_ref [P, page, E]; o_ref [blocks * bq, E] f32 (unnormalised); m_ref, l_ref [blocks * bq] f32
+    e = q_ref.shape[1]
+    bq = q_ref.shape[0] // blocks
+    rows = [pl.ds(j * bq, bq) for j in range(blocks)]
     start = pl.program_id(1) * chunk_k
-    q = q_ref[...]
-    pos = pos_ref[...]
-    tiles = jnp.clip((jnp.max(pos) - start) // block_k + 1, 0, chunk_k // block_k)  # tiles any row can see
+    last = functools.reduce(jnp.maximum, [jnp.max(pos_ref[r]) for r in rows])  # Triton values: power-of-2 sizes
+    tiles = jnp.clip((last - start) // block_k + 1, 0, chunk_k // block_k)  # tiles any row can see
     per_tile = block_k // page
 
-    def body(i, carry):
+    def update(q, pos, k, v, k0, keys, carry):  # one block's online softmax over one key tile
         acc, m, l = carry
-        k0 = start + i * block_k
-        pids = pt_ref[pl.ds(k0 // page, per_tile)]  # [per_tile]
-        keys = k0 + jnp.arange(block_k)
-        k = k_ref[pids].reshape(block_k, e)
-        # keys past every row hold whatever their pages hold (a lane's unallocated tail): never let a NaN
-        # there reach a row through 0 * NaN in the p @ v product
-        v = jnp.where((keys <= jnp.max(pos))[:, None], v_ref[pids].reshape(block_k, e), 0)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
         s = jnp.where(keys[None, :] <= pos[:, None], s, -jnp.inf)  # [bq, bk]
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -86,12 +91,22 @@ def _paged_kernel(q_ref, pos_ref, pt_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, 
         m = jnp.where(live, m_new, m)
         return acc, m, l
 
-    init = (jnp.zeros((block_q, e), jnp.float32), jnp.full((block_q,), NEG, jnp.float32),
-            jnp.zeros((block_q,), jnp.float32))
-    acc, m, l = lax.fori_loop(0, tiles, body, init)
-    o_ref[...] = acc
-    m_ref[...] = m
-    l_ref[...] = l
+    def body(i, carry):
+        k0 = start + i * block_k
+        pids = pt_ref[pl.ds(k0 // page, per_tile)]  # [per_tile]
+        keys = k0 + jnp.arange(block_k)
+        k = k_ref[pids].reshape(block_k, e)
+        # keys past every row hold whatever their pages hold (a lane's unallocated tail): never let a NaN
+        # there reach a row through 0 * NaN in the p @ v product (a row's p is 0 past its position: 0 * v = 0)
+        v = jnp.where((keys <= last)[:, None], v_ref[pids].reshape(block_k, e), 0)
+        return tuple(update(q_ref[r, :], pos_ref[r], k, v, k0, keys, c) for r, c in zip(rows, carry, strict=True))
+
+    init = (jnp.zeros((bq, e), jnp.float32), jnp.full((bq,), NEG, jnp.float32), jnp.zeros((bq,), jnp.float32))
+    out = lax.fori_loop(0, tiles, body, (init,) * blocks)
+    for r, (acc, m, l) in zip(rows, out, strict=True):
+        o_ref[r, :] = acc
+        m_ref[r] = m
+        l_ref[r] = l
 
 
 def _tree_sum(x: jax.Array, axis: int) -> jax.Array:
@@ -131,6 +146,8 @@ def _check(q, k_pages, v_pages, page_table, positions, bs: BlockSizes):
         v = getattr(bs, name)
         if v < 16 or v & (v - 1):
             raise ValueError(f"{name}={v} must be a power of 2 >= 16")
+    if bs.q_blocks < 1:
+        raise ValueError(f"q_blocks={bs.q_blocks} must be >= 1")
     if bs.block_k % page or bs.chunk_k % bs.block_k:
         raise ValueError(f"block_k={bs.block_k} must be a multiple of {page=}, chunk_k={bs.chunk_k} of block_k")
 
@@ -147,13 +164,15 @@ def paged_attention(
     interpret: bool = False,
 ) -> jax.Array:
     """Causal GQA attention of q rows over a lane's pages: ``[B, T, H, E]`` in ``q.dtype``."""
-    bs = block_sizes or BlockSizes()
+    bs = block_sizes or DEFAULT
     _check(q, k_pages, v_pages, page_table, positions, bs)
     b, t, h, e = q.shape
     _, page, g, _ = k_pages.shape
     r = h // g
     rows = t * r
-    rows_pad = pl.cdiv(rows, bs.block_q) * bs.block_q
+    blocks = bs.group_for(rows)
+    group = blocks * bs.block_q  # rows a program
+    rows_pad = pl.cdiv(rows, group) * group
     qr = q.reshape(b, t, g, r, e).transpose(0, 2, 1, 3, 4).reshape(b, g, rows, e)  # row = t * R + head
     qr = jnp.pad(qr, ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
     pos = jnp.broadcast_to(positions[:, :, None], (b, t, r)).reshape(b, rows).astype(jnp.int32)
@@ -164,23 +183,24 @@ def paged_attention(
     pt = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, chunks * chunk_k // page - page_table.shape[1])))
     pos = jnp.minimum(pos, span - 1)
     pt = jnp.clip(pt, 0, k_pages.shape[0] - 1)  # the engine marks unallocated pages with P: never load past the pool
-    qb = rows_pad // bs.block_q
+    qb = rows_pad // group
     p_total = k_pages.shape[0]
-    kernel = functools.partial(_paged_kernel, page=page, block_k=bs.block_k, chunk_k=chunk_k, scale=e**-0.5)
+    kernel = functools.partial(_paged_kernel, page=page, block_k=bs.block_k, chunk_k=chunk_k, scale=e**-0.5,
+                               blocks=blocks)
     o, m, l = pl.pallas_call(
         kernel,
-        grid=(qb, chunks, g, b),  # query blocks fastest: they share a chunk's keys in L2
+        grid=(qb, chunks, g, b),  # query groups fastest: they share a chunk's keys in L2
         in_specs=[
-            pl.BlockSpec((None, None, bs.block_q, e), lambda i, c, j, n: (n, j, i, 0)),
-            pl.BlockSpec((None, bs.block_q), lambda i, c, j, n: (n, i)),
+            pl.BlockSpec((None, None, group, e), lambda i, c, j, n: (n, j, i, 0)),
+            pl.BlockSpec((None, group), lambda i, c, j, n: (n, i)),
             pl.BlockSpec((None, pt.shape[1]), lambda i, c, j, n: (n, 0)),
             pl.BlockSpec((p_total, page, None, e), lambda i, c, j, n: (0, 0, j, 0)),
             pl.BlockSpec((p_total, page, None, e), lambda i, c, j, n: (0, 0, j, 0)),
         ],
         out_specs=[
-            pl.BlockSpec((None, None, None, bs.block_q, e), lambda i, c, j, n: (n, j, c, i, 0)),
-            pl.BlockSpec((None, None, None, bs.block_q), lambda i, c, j, n: (n, j, c, i)),
-            pl.BlockSpec((None, None, None, bs.block_q), lambda i, c, j, n: (n, j, c, i)),
+            pl.BlockSpec((None, None, None, group, e), lambda i, c, j, n: (n, j, c, i, 0)),
+            pl.BlockSpec((None, None, None, group), lambda i, c, j, n: (n, j, c, i)),
+            pl.BlockSpec((None, None, None, group), lambda i, c, j, n: (n, j, c, i)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((b, g, chunks, rows_pad, e), jnp.float32),

@@ -296,7 +296,7 @@ def attention_section(sweep: bool | str):
 
     bw = RESULTS["copy_GBps"] * 1e9
     h, g, e = 24, 4, 256
-    best = pa.BlockSizes()
+    best = pa.DEFAULT
     if sweep == "chunks":  # chunk policies (from the lane's span) at every context: best geometric mean of fractions
         cands = [pa.BlockSizes(chunk_programs=0), pa.BlockSizes(chunk_programs=264), pa.BlockSizes(chunk_programs=528),
                  pa.BlockSizes(chunk_programs=1056), pa.BlockSizes(block_q=64, chunk_programs=528),
@@ -720,6 +720,8 @@ def main():
                     "e.g. \"dict(programs=264, sums_outside=False)\" (A/B runs)")
     ap.add_argument("--mgpu-policy", default="", help="decode: the Mosaic GPU kernel's tile keywords (the "
                     "dispatch unless TFJAX_QMATMUL_MGPU=0), e.g. \"dict(pad_rows=True)\"")
+    ap.add_argument("--attn-blocks", default="", help="attention's default BlockSizes keywords (decode and the "
+                    "attention section), e.g. \"dict(q_blocks=1)\"")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.mgpu_policy:
@@ -728,6 +730,10 @@ def main():
         qmatmul_mgpu.POLICY.update(eval(a.mgpu_policy))  # noqa: S307 (a benchmark's own flag)
         print(f"  mgpu policy {qmatmul_mgpu.POLICY}", flush=True)
     sections = a.sections.split(",")
+    if a.attn_blocks:
+        from pallas_kernels import attention
+
+        attention.DEFAULT = attention.BlockSizes(**eval(a.attn_blocks))  # noqa: S307 (a benchmark's own flag)
     if a.pairs_policy:
         override_pairs_policy(eval(a.pairs_policy))  # noqa: S307 (a benchmark's own flag)
     if sections == ["hf"]:

@@ -5,6 +5,8 @@ Each case runs in interpret mode on the CPU (default) and compiled on a GPU unde
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -74,6 +76,35 @@ def test_interpret_span_chunks_match_reference_and_keep_rows_bit_identical():
     full = f(q, pos)
     for i in range(5):
         np.testing.assert_array_equal(f(q[:, i : i + 1], pos[:, i : i + 1])[:, 0], full[:, i], err_msg=f"row {i}")
+
+
+def test_group_policy_spreads_blocks_evenly_over_the_fewest_programs():
+    bs = pa.BlockSizes(block_q=16, q_blocks=4)
+    assert [bs.group_for(rows) for rows in (6, 16, 17, 48, 64, 66, 96, 200)] == [1, 1, 2, 3, 4, 3, 3, 4]
+
+
+@pytest.mark.parametrize("t", [8, 11])
+def test_interpret_blocks_sharing_a_program_match_reference_and_each_row_alone(t):
+    """8 rows of 6 heads: 48 rows, 3 blocks in one program; 11 rows: 66 rows, 5 blocks in 2 programs of 3."""
+    rng = np.random.default_rng(t)
+    bs = pa.BlockSizes(block_q=16, block_k=32, chunk_k=64, chunk_programs=0, q_blocks=4)
+    args = _case(rng, 2, t, 6, 1, 64, 8, 16, jnp.float32)
+    _check(args, bs, True, jnp.float32)
+    q, kp, vp, pt, pos = args
+    f = lambda q, pos, bs=bs: np.asarray(pa.paged_attention(q, kp, vp, pt, pos, block_sizes=bs, interpret=True))
+    full = f(q, pos)
+    np.testing.assert_array_equal(f(q, pos, dataclasses.replace(bs, q_blocks=1)), full)
+    for i in (0, t - 1):
+        np.testing.assert_array_equal(f(q[:, i : i + 1], pos[:, i : i + 1])[:, 0], full[:, i], err_msg=f"row {i}")
+
+
+def test_lowers_to_triton_for_cuda_with_blocks_sharing_a_program():
+    sds = jax.ShapeDtypeStruct
+    q, pages = sds((1, 8, 24, 256), jnp.bfloat16), sds((40, 16, 4, 256), jnp.bfloat16)
+    f = jax.jit(pa.paged_attention)
+    text = f.trace(q, pages, pages, sds((1, 32), jnp.int32), sds((1, 8), jnp.int32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text and "paged_attention" in text
 
 
 def test_interpret_unallocated_pages_holding_nan_never_reach_a_row():

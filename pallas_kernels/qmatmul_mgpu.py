@@ -31,8 +31,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.qmatmul import bf16_half
@@ -42,6 +44,12 @@ POLICY: dict = {}  # BlockSizes.for_weight keywords for the default tiles (bench
 MAX_BLOCK_M = 64  # rows of x a program at most (one weight read serves them)
 GROUP = 64  # inputs per group: a tile is 4 groups, 64 uint16 a row (128 bytes: one 128-byte swizzle)
 TILE = 4 * GROUP
+WORDS = TILE // 8  # uint32 words a row of a tile
+# unpack "words": a tile row's 32 words in registers so that lane l's register j holds word 4j + l (inputs 8j + 2l
+# and 8j + 2l + 1 of every group), the pair the bf16 MMA operand keeps in register j: a group is one shift and one
+# AND-OR of each word, reinterpreted as two bf16 (`_pairs_as_bf16`), no cross-lane moves
+WORDS_LAYOUT = plgpu.Layout.TILED(plgpu.Tiling(((64, WORDS), (16, WORDS), (8, WORDS), (4,), (1,))),
+                                  warp_dims=(-8,), lane_dims=(-4, -2), vector_dim=-1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +63,7 @@ class BlockSizes:
     pad_rows: bool = False  # x padded to block_m rows by XLA (one more launch), or (regs) by TMA's zero fill: XLA
     # pads only past 8 rows, to a multiple of 8 (TMA's 8-row tiles); dense27 decode, H200: 161 launches a step fewer
     operand: str = "regs"  # the dequantized weights reach the MMA from registers ("smem": through shared memory)
+    unpack: str = "words"  # 32-bit shift and AND-OR per two weights ("halves": 16-bit ops per weight, the older path)
     probe: str = ""  # timing probes (wrong results): "no_dequant" feeds raw weight bits to the MMA, "loads" skips the MMA too
 
     @classmethod
@@ -75,7 +84,8 @@ class BlockSizes:
 
 
 def _kernel(xt_gmem, w_gmem, sb_gmem, o_gmem, o_smem, *a_smem, bs: BlockSizes, tiles: int, interpret: bool):
-    # xt_gmem [K, Mp] bf16 (x transposed, rows padded; [Mp, K] with operand "regs"); w_gmem [N, K/4] uint16;
+    # xt_gmem [K, Mp] bf16 (x transposed, rows padded; [Mp, K] with operand "regs"); w_gmem [N, K/8] uint32
+    # (unpack "words") or [N, K/4] uint16;
     # sb_gmem [K/64, N] uint32; o_gmem [split, N, Mp] f32; o_smem [block_n, block_m] f32; operand "smem":
     # a_smem [2, block_n, 64] bf16, dequantized groups, two slots so one group's dequantization overlaps the
     # previous group's MMA
@@ -93,7 +103,8 @@ def _kernel(xt_gmem, w_gmem, sb_gmem, o_gmem, o_smem, *a_smem, bs: BlockSizes, t
     def body(_, xt_smem, w_smem, sb_smem, acc):
         if bs.probe == "loads":
             return acc
-        v = read(w_smem, plgpu.Layout.WGMMA)  # uint16 [bn, 64]
+        words = bs.unpack == "words"
+        v = read(w_smem, WORDS_LAYOUT if words else plgpu.Layout.WGMMA)  # uint32 [bn, 32] or uint16 [bn, 64]
         for f in range(4):
             # slot f % 2 last fed group f - 2's MMA: let it finish (group f - 1's may still run); with the register
             # operand, waiting only at the tile's end measured the same on the H200
@@ -101,8 +112,12 @@ def _kernel(xt_gmem, w_gmem, sb_gmem, o_gmem, o_smem, *a_smem, bs: BlockSizes, t
                 plgpu.wgmma_wait(1)
             sb = read(sb_smem.at[f], plgpu.Layout.WGMMA.reduce(1))  # uint32 [bn]: scale low, bias high
             scale, bias = bf16_half(sb, 0), bf16_half(sb, 16)
-            q = ((v >> jnp.uint16(4 * f)) & jnp.uint16(0xF)) | jnp.uint16(0x4300)
-            q = lax.bitcast_convert_type(q, jnp.bfloat16)  # 128 + q, exact
+            if words:  # two bf16 halves 128 + q of a word per shift and AND-OR, exact
+                q = _pairs_as_bf16((v >> jnp.uint32(4 * f) if f else v) & jnp.uint32(0x000F000F)
+                                   | jnp.uint32(0x43004300), interpret)
+            else:
+                q = ((v >> jnp.uint16(4 * f)) & jnp.uint16(0xF)) | jnp.uint16(0x4300)
+                q = lax.bitcast_convert_type(q, jnp.bfloat16)  # 128 + q, exact
             if bs.probe == "no_dequant":
                 a = q
             else:  # q exactly, then one product and one sum in bf16 (folding -128 s into b loses q * s to rounding)
@@ -122,6 +137,7 @@ def _kernel(xt_gmem, w_gmem, sb_gmem, o_gmem, o_smem, *a_smem, bs: BlockSizes, t
         plgpu.wgmma_wait(0)
         return acc
 
+    w_bytes = 4 if bs.unpack == "words" else 2  # a tile row of weights is 128 bytes either way
     if bs.operand == "regs":  # x [block_m, TILE] K-major, 128-byte rows: transposed, the MMA's right operand
         x_spec = plgpu.BlockSpec((bm, TILE), lambda t: (i, first + t),
                                  transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
@@ -137,8 +153,8 @@ def _kernel(xt_gmem, w_gmem, sb_gmem, o_gmem, o_smem, *a_smem, bs: BlockSizes, t
             grid=(tiles,),
             in_specs=[
                 x_spec,
-                plgpu.BlockSpec((bn, GROUP), lambda t: (j, first + t),
-                                transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))),
+                plgpu.BlockSpec((bn, WORDS if bs.unpack == "words" else GROUP), lambda t: (j, first + t),
+                                transforms=(plgpu.TilingTransform((8, 128 // w_bytes)), plgpu.SwizzleTransform(128))),
                 plgpu.BlockSpec((4, bn), lambda t: (first + t, j)),
             ],
             max_concurrent_steps=bs.stages,
@@ -153,6 +169,31 @@ def _kernel(xt_gmem, w_gmem, sb_gmem, o_gmem, o_smem, *a_smem, bs: BlockSizes, t
     pl.run_scoped(scope, plgpu.ACC((bn, bm), jnp.float32))
 
 
+def _pairs_as_bf16(q: jax.Array, interpret: bool) -> jax.Array:
+    """uint32 [bn, 32] (`WORDS_LAYOUT`) -> bf16 [bn, 64] (the MMA operand's layout): each word as its two halves,
+    low first. In registers a reinterpretation only: lane l's word register j is the operand's pair register j."""
+    bn = q.shape[0]
+    if interpret:  # the interpreter's arrays are plain: word c holds inputs 2c, 2c + 1
+        return lax.bitcast_convert_type(q, jnp.bfloat16).reshape(bn, 2 * WORDS)
+
+    @plgpu.inline_mgpu(arg_types=(WORDS_LAYOUT,),
+                       return_type=plgpu.ShapeDtypeStruct((bn, 2 * WORDS), jnp.bfloat16, plgpu.Layout.WGMMA))
+    def cast(_, words):
+        from jaxlib.mlir import ir
+        from jaxlib.mlir.dialects import vector
+
+        layout = plgpu.Layout.WGMMA.to_mgpu()
+        shape = layout.registers_shape((bn, 2 * WORDS))  # [bn / 64, pair j, 1, 1, row half h, 1, 1, 1, 1]
+        assert shape[1:] == (8, 1, 1, 2, 1, 1, 1, 1) and words.registers.shape[1:] == (1, 1, 1, 2, 1, 1, 8, 1, 1)
+        pair = ir.VectorType.get((2,), ir.BF16Type.get())
+        regs = np.empty(shape, dtype=object)
+        for b, j, _, _, h, *_ in np.ndindex(shape):
+            regs[b, j, 0, 0, h, 0, 0, 0, 0] = vector.bitcast(pair, words.registers[b, 0, 0, 0, h, 0, 0, j, 0, 0])
+        return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
+
+    return cast(q)
+
+
 def _check(x, words, packed, group_size, bs: BlockSizes):
     if group_size != GROUP:
         raise ValueError(f"the Mosaic GPU pair kernel serves group_size={GROUP}, got {group_size}")
@@ -163,8 +204,9 @@ def _check(x, words, packed, group_size, bs: BlockSizes):
     if packed.dtype != jnp.uint32 or packed.shape != (k // GROUP, n):
         raise ValueError(f"want packed scales uint32 {(k // GROUP, n)} (`quant.pack_scale_bias`), got "
                          f"{packed.shape=} {packed.dtype=}")
-    if bs.probe not in ("", "no_dequant", "loads") or bs.operand not in ("smem", "regs"):
-        raise ValueError(f"unknown probe {bs.probe!r} or operand {bs.operand!r}")
+    if bs.probe not in ("", "no_dequant", "loads") or bs.operand not in ("smem", "regs") or bs.unpack not in (
+            "words", "halves"):
+        raise ValueError(f"unknown probe {bs.probe!r}, operand {bs.operand!r} or unpack {bs.unpack!r}")
     if bs.operand == "regs" and (bs.block_m % 8 or bs.block_m > 256) or bs.operand == "smem" and bs.block_m != 16:
         raise ValueError(f"operand {bs.operand!r} cannot take block_m={bs.block_m} (regs: 8-row tiles; smem: 16)")
     if n % bs.block_n or k % (TILE * bs.split_k):
@@ -190,7 +232,8 @@ def qmatmul_pairs(x: jax.Array, words: jax.Array, packed: jax.Array, *, group_si
     elif m > 8 and m % 8:  # TMA reads an array of under 8 rows or of whole 8-row tiles; boxes past it read zeros
         xt = jnp.pad(xt, ((0, -m % 8), (0, 0)))
     xt = xt if bs.operand == "regs" else xt.T  # [K, Mp]: the MMA's right operand, K-major
-    w16 = lax.bitcast_convert_type(words, jnp.uint16).reshape(n, k // 4)  # a word's low half first
+    if bs.unpack != "words":
+        words = lax.bitcast_convert_type(words, jnp.uint16).reshape(n, k // 4)  # a word's low half first
     tiles = k // TILE // bs.split_k
     kernel = functools.partial(_kernel, bs=bs, tiles=tiles, interpret=interpret)
     call = plgpu.kernel(
@@ -207,7 +250,7 @@ def qmatmul_pairs(x: jax.Array, words: jax.Array, packed: jax.Array, *, group_si
         kernel_name="qmatmul_mgpu",
         interpret=_interpret_params() if interpret else None,
     )
-    parts = call(xt, w16, packed)  # [split, N, Mp]
+    parts = call(xt, words, packed)  # [split, N, Mp]
     out = parts[0]
     for p in range(1, bs.split_k):  # fixed order, elementwise: the same for every row
         out = out + parts[p]

@@ -41,7 +41,18 @@ def test_interpret_rows_bit_identical_whatever_m_and_neighbours():
     np.testing.assert_array_equal(f(x)[[0, 17]], alone)
 
 
-@pytest.mark.parametrize("n,k,kw", [(17408, 5120, {}), (5120, 17408, {}), (17408, 5120, dict(stages=3, probe="no_dequant")),
+@pytest.mark.parametrize("m,split", [(1, 1), (9, 2), (70, 1)])
+def test_interpret_words_and_halves_unpack_the_same_bits(m, split):
+    """The 32-bit unpack (two weights a shift and AND-OR) feeds the MMA the halves path's operand exactly."""
+    rng = np.random.default_rng(10 + m)
+    words, packed = _weights(rng, 128, 1024)
+    x = jnp.asarray(rng.standard_normal((m, 1024)), jnp.bfloat16)
+    y = {u: np.asarray(mg.qmatmul_pairs(x, words, packed, block_sizes=mg.BlockSizes(split_k=split, unpack=u),
+                                        interpret=True)).view(np.uint16) for u in ("words", "halves")}
+    np.testing.assert_array_equal(y["words"], y["halves"])
+
+
+@pytest.mark.parametrize("n,k,kw", [(17408, 5120, {}), (5120, 17408, dict(unpack="halves")), (5120, 17408, {}), (17408, 5120, dict(stages=3, probe="no_dequant")),
                                     (17408, 5120, dict(operand="smem", block_m=16)), (5120, 17408, dict(block_m=16)),
                                     (17408, 5120, dict(block_m=64)), (17408, 5120, dict(pad_rows=True))])
 def test_lowers_to_mosaic_gpu_for_the_dense27_mlp_without_a_gpu(n, k, kw):
@@ -84,16 +95,19 @@ def test_bad_inputs_raise_naming_the_value():
         mg.qmatmul_pairs(x, words, packed, block_sizes=mg.BlockSizes(operand="smem", block_m=8), interpret=True)
     with pytest.raises(ValueError, match="unknown probe"):
         mg.qmatmul_pairs(x, words, packed, block_sizes=mg.BlockSizes(probe="fast"), interpret=True)
+    with pytest.raises(ValueError, match="unpack 'nibbles'"):
+        mg.qmatmul_pairs(x, words, packed, block_sizes=mg.BlockSizes(unpack="nibbles"), interpret=True)
     with pytest.raises(ValueError, match="K=256"):
         mg.qmatmul_pairs(x[:, :256], words, packed, interpret=True)
 
 
 GPU_VARIANTS = [mg.BlockSizes(operand="smem", block_m=16), mg.BlockSizes(), mg.BlockSizes(block_m=16, stages=3),
-                mg.BlockSizes(pad_rows=True)]
+                mg.BlockSizes(pad_rows=True), mg.BlockSizes(unpack="halves")]
+GPU_IDS = ["smem", "regs-rows-tma-fill", "regs-m16", "padded-rows", "halves"]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bs", GPU_VARIANTS, ids=["smem", "regs-rows-tma-fill", "regs-m16", "padded-rows"])
+@pytest.mark.parametrize("bs", GPU_VARIANTS, ids=GPU_IDS)
 @pytest.mark.parametrize("m", [1, 16, 33])
 def test_gpu_matches_reference(m, bs):
     rng = np.random.default_rng(m)
@@ -103,7 +117,7 @@ def test_gpu_matches_reference(m, bs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bs", GPU_VARIANTS, ids=["smem", "regs-rows-tma-fill", "regs-m16", "padded-rows"])
+@pytest.mark.parametrize("bs", GPU_VARIANTS, ids=GPU_IDS)
 def test_gpu_rows_1_to_64_bit_identical(bs):
     rng = np.random.default_rng(7)
     words, packed = _weights(rng, 5120, 6144)
@@ -114,3 +128,16 @@ def test_gpu_rows_1_to_64_bit_identical(bs):
         for start in range(0, 64, m):
             idx = np.arange(start, min(start + m, 64))
             np.testing.assert_array_equal(f(x[idx]), alone[idx], err_msg=f"{m=}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(4096, 4096), (5120, 17408), (17408, 5120)])
+@pytest.mark.parametrize("m", [1, 16, 33])
+def test_gpu_words_unpack_bit_identical_to_halves(n, k, m):
+    """The words layout's register mapping (lane l's register j = word 4j + l) is the operand's: same bits."""
+    rng = np.random.default_rng(n + m)
+    words, packed = _weights(rng, n, k)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    y = {u: np.asarray(mg.qmatmul_pairs(x, words, packed, block_sizes=mg.BlockSizes.for_weight(n, k, unpack=u)))
+         for u in ("words", "halves")}
+    np.testing.assert_array_equal(y["words"].view(np.uint16), y["halves"].view(np.uint16))

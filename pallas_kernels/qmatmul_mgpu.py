@@ -64,7 +64,6 @@ class BlockSizes:
     # pads only past 8 rows, to a multiple of 8 (TMA's 8-row tiles); dense27 decode, H200: 161 launches a step fewer
     operand: str = "regs"  # the dequantized weights reach the MMA from registers ("smem": through shared memory)
     unpack: str = "words"  # 32-bit shift and AND-OR per two weights ("halves": 16-bit ops per weight, the older path)
-    fma: bool = True  # unpack "words" on the GPU: ``fma(128 + q, s, -128 s) + b`` (False: ``(q - 128) s + b``, same bits)
     probe: str = ""  # timing probes (wrong results): "no_dequant" feeds raw weight bits to the MMA, "loads" skips the MMA too
 
     @classmethod
@@ -114,17 +113,15 @@ def _kernel(xt_gmem, w_gmem, sb_gmem, o_gmem, o_smem, *a_smem, bs: BlockSizes, t
             sb = read(sb_smem.at[f], plgpu.Layout.WGMMA.reduce(1))  # uint32 [bn]: scale low, bias high
             scale, bias = bf16_half(sb, 0), bf16_half(sb, 16)
             if words:  # two bf16 halves 128 + q of a word per shift and AND-OR, exact
-                bits = (v >> jnp.uint32(4 * f) if f else v) & jnp.uint32(0x000F000F) | jnp.uint32(0x43004300)
-            if words and bs.fma and not (interpret or bs.probe):  # the same bits in two bf16x2 instructions a pair, not three
-                a = _fma_add(bits, rows(scale), rows(scale * jnp.asarray(-128, jnp.bfloat16)), rows(bias))
+                q = _pairs_as_bf16((v >> jnp.uint32(4 * f) if f else v) & jnp.uint32(0x000F000F)
+                                   | jnp.uint32(0x43004300), interpret)
             else:
-                if words:
-                    q = _pairs_as_bf16(bits, interpret)
-                else:
-                    q = ((v >> jnp.uint16(4 * f)) & jnp.uint16(0xF)) | jnp.uint16(0x4300)
-                    q = lax.bitcast_convert_type(q, jnp.bfloat16)  # 128 + q, exact
-                # q exactly, then one product and one sum in bf16 (folding -128 s into b loses q * s to rounding)
-                a = q if bs.probe == "no_dequant" else (q - jnp.asarray(128, jnp.bfloat16)) * rows(scale) + rows(bias)
+                q = ((v >> jnp.uint16(4 * f)) & jnp.uint16(0xF)) | jnp.uint16(0x4300)
+                q = lax.bitcast_convert_type(q, jnp.bfloat16)  # 128 + q, exact
+            if bs.probe == "no_dequant":
+                a = q
+            else:  # q exactly, then one product and one sum in bf16 (folding -128 s into b loses q * s to rounding)
+                a = (q - jnp.asarray(128, jnp.bfloat16)) * rows(scale) + rows(bias)
             if bs.operand == "regs":  # the MMA reads the group from registers: no shared-memory round trip
                 xg = xt_smem.at[:, pl.ds(f * GROUP, GROUP)]
                 if emulated:  # the interpreter's MMA takes no register operand: the same product, into o_smem
@@ -195,35 +192,6 @@ def _pairs_as_bf16(q: jax.Array, interpret: bool) -> jax.Array:
         return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
 
     return cast(q)
-
-
-def _fma_add(bits: jax.Array, scale: jax.Array, neg: jax.Array, bias: jax.Array) -> jax.Array:
-    """GPU: ``fma(128 + q, s, -128 s) + b`` in bf16x2 from AND-ORed words (`WORDS_LAYOUT`) and [bn, 64] rows of s,
-    -128 s and b: the fma's exact sum is q s, so its one rounding is the product's; the same bits as ``(q - 128) s + b``."""
-    bn = bits.shape[0]
-    wgmma = plgpu.Layout.WGMMA
-
-    @plgpu.inline_mgpu(arg_types=(WORDS_LAYOUT, wgmma, wgmma, wgmma),
-                       return_type=plgpu.ShapeDtypeStruct((bn, 2 * WORDS), jnp.bfloat16, wgmma))
-    def dequant(_, words, s, c, b):
-        from jax.experimental.mosaic.gpu import utils
-        from jaxlib.mlir import ir
-        from jaxlib.mlir.dialects import arith, llvm
-
-        i32 = ir.IntegerType.get_signless(32)
-        layout = wgmma.to_mgpu()
-        shape = layout.registers_shape((bn, 2 * WORDS))
-        assert shape[1:] == (8, 1, 1, 2, 1, 1, 1, 1) and words.registers.shape[1:] == (1, 1, 1, 2, 1, 1, 8, 1, 1)
-        regs = np.empty(shape, dtype=object)
-        for idx in np.ndindex(shape):
-            pair_ty = s.registers[idx].type
-            x = utils.bitcast(words.registers[idx[0], 0, 0, 0, idx[4], 0, 0, idx[1], 0, 0], i32)
-            t = llvm.inline_asm(i32, [x, utils.bitcast(s.registers[idx], i32), utils.bitcast(c.registers[idx], i32)],
-                                "fma.rn.bf16x2 $0, $1, $2, $3;", "=r,r,r,r")
-            regs[idx] = arith.addf(utils.bitcast(t, pair_ty), b.registers[idx])
-        return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
-
-    return dequant(bits, scale, neg, bias)
 
 
 def _check(x, words, packed, group_size, bs: BlockSizes):

@@ -52,7 +52,7 @@ def test_interpret_words_and_halves_unpack_the_same_bits(m, split):
     np.testing.assert_array_equal(y["words"], y["halves"])
 
 
-@pytest.mark.parametrize("n,k,kw", [(17408, 5120, {}), (5120, 17408, dict(unpack="halves")), (5120, 6144, dict(fma=False)), (5120, 17408, {}), (17408, 5120, dict(stages=3, probe="no_dequant")),
+@pytest.mark.parametrize("n,k,kw", [(17408, 5120, {}), (5120, 17408, dict(unpack="halves")), (5120, 17408, {}), (17408, 5120, dict(stages=3, probe="no_dequant")),
                                     (17408, 5120, dict(operand="smem", block_m=16)), (5120, 17408, dict(block_m=16)),
                                     (17408, 5120, dict(block_m=64)), (17408, 5120, dict(pad_rows=True))])
 def test_lowers_to_mosaic_gpu_for_the_dense27_mlp_without_a_gpu(n, k, kw):
@@ -102,8 +102,8 @@ def test_bad_inputs_raise_naming_the_value():
 
 
 GPU_VARIANTS = [mg.BlockSizes(operand="smem", block_m=16), mg.BlockSizes(), mg.BlockSizes(block_m=16, stages=3),
-                mg.BlockSizes(pad_rows=True), mg.BlockSizes(unpack="halves"), mg.BlockSizes(fma=False)]
-GPU_IDS = ["smem", "regs-rows-tma-fill", "regs-m16", "padded-rows", "halves", "words-no-fma"]
+                mg.BlockSizes(pad_rows=True), mg.BlockSizes(unpack="halves")]
+GPU_IDS = ["smem", "regs-rows-tma-fill", "regs-m16", "padded-rows", "halves"]
 
 
 @pytest.mark.gpu
@@ -134,13 +134,10 @@ def test_gpu_rows_1_to_64_bit_identical(bs):
 @pytest.mark.parametrize("n,k", [(4096, 4096), (5120, 17408), (17408, 5120)])
 @pytest.mark.parametrize("m", [1, 16, 33])
 def test_gpu_words_unpack_bit_identical_to_halves(n, k, m):
-    """The words layout's register mapping (lane l's register j = word 4j + l) is the operand's, and the fma's one
-    rounding is the product's: the same bits with and without the fma, and as the 16-bit unpack."""
+    """The words layout's register mapping (lane l's register j = word 4j + l) is the operand's: same bits."""
     rng = np.random.default_rng(n + m)
     words, packed = _weights(rng, n, k)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    kws = {"fma": {}, "words": dict(fma=False), "halves": dict(unpack="halves")}
-    y = {name: np.asarray(mg.qmatmul_pairs(x, words, packed, block_sizes=mg.BlockSizes.for_weight(n, k, **kw)))
-         for name, kw in kws.items()}
-    for name in ("words", "halves"):
-        np.testing.assert_array_equal(y["fma"].view(np.uint16), y[name].view(np.uint16), err_msg=name)
+    y = {u: np.asarray(mg.qmatmul_pairs(x, words, packed, block_sizes=mg.BlockSizes.for_weight(n, k, unpack=u)))
+         for u in ("words", "halves")}
+    np.testing.assert_array_equal(y["words"].view(np.uint16), y["halves"].view(np.uint16))

@@ -67,11 +67,13 @@ class BlockSizes:
     probe: str = ""  # timing probes (wrong results): "no_dequant" feeds raw weight bits to the MMA, "loads" skips the MMA too
 
     @classmethod
-    def for_weight(cls, n: int, k: int, programs: int = 1056, max_split: int = 17, **kw) -> BlockSizes:
+    def for_weight(cls, n: int, k: int, programs: int = 2176, max_split: int = 17, **kw) -> BlockSizes:
         """Smallest split of K's tiles (a divisor, at most `max_split`) giving >= `programs` programs.
 
         17 (H200, 2026-12-04): dense27's down projection (5120x17408: 68 tiles) splits 17 ways, 1360 programs,
-        not 4 ways (320): 23.1 against 27.2 us, a decode step 0.25 ms shorter with the larger f32 partials."""
+        not 4 ways (320): 23.1 against 27.2 us, a decode step 0.25 ms shorter with the larger f32 partials.
+        2176 programs (about 16 an SM; was 1056), measured with unpack "words": gate+up 34816x5120 splits 4, not 2 (33.7
+        against 35.2 us), 17408x5120 10, not 4 (18.6 against 20.3); decode 7.30 against 7.37 ms, within noise."""
         tiles = k // TILE
         divisors = [s for s in range(1, min(tiles, max_split) + 1) if tiles % s == 0]
         split = next((s for s in divisors if (n // 64) * s >= programs), divisors[-1])

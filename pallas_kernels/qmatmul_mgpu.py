@@ -8,9 +8,13 @@
 - each group's MMA starts from zero there, for its own fold, so every group waits for its MMA; here every
   weight is dequantized before the MMA (``q * s + b`` in bf16, one rounding, as MLX's own dequantize) and all
   MMAs of the K range chain into one accumulator, waited once a tile; no group sums of x are needed.
-Layout: the pair layout read as uint16 ``[N, K/4]``: element ``e`` of a tile's 64 holds, at nibble ``f``, input
-``e`` of the tile's group ``f``. A group's operand is ``((v >> 4f) & 15) | 0x4300`` reinterpreted as bf16
-(``128 + q``), minus 128 (exact), times the scale, plus the bias.
+Layout: the pair layout's words: word ``c`` of a tile row holds, at bits ``4f`` and ``16 + 4f``, inputs ``2c`` and
+``2c + 1`` of the tile's group ``f``. Unpack "words" (default) reads a row's 32 words into registers in
+`WORDS_LAYOUT` (lane l's register j: word 4j + l, the pair the bf16 operand keeps in its register j), so a group's
+operand is ``((w >> 4f) & 0x000F000F) | 0x43004300``, two bf16 ``128 + q`` a word in place; minus 128 (exact),
+times the scale, plus the bias. Unpack "halves" (the older path) reads uint16 ``[N, K/4]`` in the operand's layout
+and does the same per 16-bit half: LLVM splits 16-bit shifts, so the H200 spent 13.6M instructions on the down
+projection against 11.2M with words (ALU pipe 65.9% -> 55.2%; 23.0 -> 18.9 us; docs/benchmarks.md, 2026-12-04).
 Grid: (column block, row block, K split); 64 outputs (the MMA's M) by M rows of x rounded up to 8, at most 64
 (the MMA's N), a program: one weight read serves up to 64 rows. The
 dequantized group goes to the MMA from registers (operand "regs", the default), x from shared memory in
@@ -20,8 +24,9 @@ first (with x transposed, 16 rows). H200, 17408x5120, M=1 (docs/benchmarks.md): 
 Row invariance: the tile order, the split and the MMA shape come from the weight's shape; a row's products
 are its own column of every MMA; split partials are summed outside in a fixed order, elementwise.
 GPU interpret mode (CPU tests) runs the same body except two register loads, which there are plain reads
-(the interpreter has no layout-annotated load), and the register-operand MMA, which it computes with a dot
-into the output tile; `lowered_for_gpu` checks the Mosaic GPU lowering (the real MMA) on any host.
+(the interpreter has no layout-annotated load), the words' reinterpretation (a bitcast and reshape there), and the
+register-operand MMA, which it computes with a dot into the output tile; `lowered_for_gpu` checks the Mosaic GPU
+lowering (the real MMA) on any host; the GPU tests check words against halves bit for bit.
 """
 
 from __future__ import annotations

@@ -52,6 +52,38 @@ def test_interpret_words_and_halves_unpack_the_same_bits(m, split):
     np.testing.assert_array_equal(y["words"], y["halves"])
 
 
+def _element(layout, shape, warp, lane, reg, v=0):
+    """The logical index a thread's register element holds in a Mosaic tiled layout (its `thread_idxs`, in numpy)."""
+    from jax.experimental.mosaic.gpu.fragmented_array import Replicated
+
+    tiled, sizes = list(reg), layout.tiled_tiling_shape
+    for idx, dims in ((warp, layout.warp_dims), (lane, layout.lane_dims)):
+        extents = [d.times if isinstance(d, Replicated) else sizes[d] for d in dims]
+        strides = np.cumprod([1, *extents[::-1]])[:-1][::-1]
+        for d, stride, extent in zip(dims, strides, extents, strict=True):
+            if not isinstance(d, Replicated):
+                tiled[len(tiled) + d] = idx // stride % extent
+    tiled[len(tiled) + layout.vector_dim] = v
+    return layout.tiling.untile_indices(tuple(tiled))
+
+
+def test_words_layout_puts_each_word_where_the_operand_keeps_its_two_inputs():
+    """What `_pairs_as_bf16` relabels without moving data: lane l's word register (h, j) holds word 4j + l % 4 of
+    row 16w + 8h + l // 4, whose halves are inputs 2c and 2c + 1; the bf16 MMA operand's register (h, j) holds
+    exactly those two inputs of that row (Mosaic's own layout definitions, evaluated on the CPU)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    words, operand = mg.WORDS_LAYOUT.to_mgpu(), plgpu.Layout.WGMMA.to_mgpu()
+    bn = 128
+    assert words.registers_shape((bn, mg.WORDS)) == (2, 1, 1, 1, 2, 1, 1, 8, 1, 1)
+    assert operand.registers_shape((bn, 2 * mg.WORDS)) == (2, 8, 1, 1, 2, 1, 1, 1, 1)
+    for warp, lane, b, h, j in np.ndindex(4, 32, 2, 2, 8):
+        row, c = _element(words, (bn, mg.WORDS), warp, lane, (b, 0, 0, 0, h, 0, 0, j, 0, 0))
+        assert (row, c) == (64 * b + 16 * warp + 8 * h + lane // 4, 4 * j + lane % 4)
+        for v in range(2):
+            assert _element(operand, (bn, 2 * mg.WORDS), warp, lane, (b, j, 0, 0, h, 0, 0, 0, 0), v) == (row, 2 * c + v)
+
+
 @pytest.mark.parametrize("n,k,kw", [(17408, 5120, {}), (5120, 17408, dict(unpack="halves")), (5120, 17408, {}), (17408, 5120, dict(stages=3, probe="no_dequant")),
                                     (17408, 5120, dict(operand="smem", block_m=16)), (5120, 17408, dict(block_m=16)),
                                     (17408, 5120, dict(block_m=64)), (17408, 5120, dict(pad_rows=True))])

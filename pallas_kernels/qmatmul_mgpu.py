@@ -100,6 +100,8 @@ def _kernel(xt_gmem, w_gmem, sb_gmem, o_gmem, o_smem, *a_smem, bs: BlockSizes, t
     bn, bm = bs.block_n, bs.block_m
     first = s * tiles
     emulated = interpret and bs.operand == "regs"  # the interpreter computes the register-operand MMA with a dot
+    words = bs.unpack == "words"
+    w_cols = WORDS if words else GROUP  # a tile row of weights: 128 bytes either way (one 128-byte swizzle)
 
     def read(ref, layout):  # registers in the MMA operand's layout (a plain read in interpret mode)
         return ref[...] if interpret else plgpu.load(ref, (), layout=layout)
@@ -110,7 +112,6 @@ def _kernel(xt_gmem, w_gmem, sb_gmem, o_gmem, o_smem, *a_smem, bs: BlockSizes, t
     def body(_, xt_smem, w_smem, sb_smem, acc):
         if bs.probe == "loads":
             return acc
-        words = bs.unpack == "words"
         v = read(w_smem, WORDS_LAYOUT if words else plgpu.Layout.WGMMA)  # uint32 [bn, 32] or uint16 [bn, 64]
         for f in range(4):
             # slot f % 2 last fed group f - 2's MMA: let it finish (group f - 1's may still run); with the register
@@ -144,7 +145,6 @@ def _kernel(xt_gmem, w_gmem, sb_gmem, o_gmem, o_smem, *a_smem, bs: BlockSizes, t
         plgpu.wgmma_wait(0)
         return acc
 
-    w_bytes = 4 if bs.unpack == "words" else 2  # a tile row of weights is 128 bytes either way
     if bs.operand == "regs":  # x [block_m, TILE] K-major, 128-byte rows: transposed, the MMA's right operand
         x_spec = plgpu.BlockSpec((bm, TILE), lambda t: (i, first + t),
                                  transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
@@ -160,8 +160,8 @@ def _kernel(xt_gmem, w_gmem, sb_gmem, o_gmem, o_smem, *a_smem, bs: BlockSizes, t
             grid=(tiles,),
             in_specs=[
                 x_spec,
-                plgpu.BlockSpec((bn, WORDS if bs.unpack == "words" else GROUP), lambda t: (j, first + t),
-                                transforms=(plgpu.TilingTransform((8, 128 // w_bytes)), plgpu.SwizzleTransform(128))),
+                plgpu.BlockSpec((bn, w_cols), lambda t: (j, first + t),
+                                transforms=(plgpu.TilingTransform((8, w_cols)), plgpu.SwizzleTransform(128))),
                 plgpu.BlockSpec((4, bn), lambda t: (first + t, j)),
             ],
             max_concurrent_steps=bs.stages,

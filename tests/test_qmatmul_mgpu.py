@@ -84,7 +84,8 @@ def test_words_layout_puts_each_word_where_the_operand_keeps_its_two_inputs():
             assert _element(operand, (bn, 2 * mg.WORDS), warp, lane, (b, j, 0, 0, h, 0, 0, 0, 0), v) == (row, 2 * c + v)
 
 
-@pytest.mark.parametrize("n,k,kw", [(17408, 5120, {}), (5120, 17408, dict(unpack="halves")), (5120, 17408, {}), (17408, 5120, dict(stages=3, probe="no_dequant")),
+@pytest.mark.parametrize("n,k,kw", [(17408, 5120, {}), (5120, 17408, dict(unpack="halves")), (5120, 17408, {}),
+                                    (17408, 5120, dict(stages=3, probe="no_dequant")),
                                     (17408, 5120, dict(operand="smem", block_m=16)), (5120, 17408, dict(block_m=16)),
                                     (17408, 5120, dict(block_m=64)), (17408, 5120, dict(pad_rows=True))])
 def test_lowers_to_mosaic_gpu_for_the_dense27_mlp_without_a_gpu(n, k, kw):

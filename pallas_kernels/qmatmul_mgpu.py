@@ -69,6 +69,7 @@ class BlockSizes:
     # pads only past 8 rows, to a multiple of 8 (TMA's 8-row tiles); dense27 decode, H200: 161 launches a step fewer
     operand: str = "regs"  # the dequantized weights reach the MMA from registers ("smem": through shared memory)
     unpack: str = "words"  # 32-bit shift and AND-OR per two weights ("halves": 16-bit ops per weight, the older path)
+    out: str = "rows"  # partials [split, M, N], real rows only (TMA drops a block's rows past M); "cols": [split, N, Mp]
     probe: str = ""  # timing probes (wrong results): "no_dequant" feeds raw weight bits to the MMA, "loads" skips the MMA too
 
     @classmethod
@@ -93,7 +94,8 @@ class BlockSizes:
 def _kernel(xt_gmem, w_gmem, sb_gmem, o_gmem, o_smem, *a_smem, bs: BlockSizes, tiles: int, interpret: bool):
     # xt_gmem [K, Mp] bf16 (x transposed, rows padded; [Mp, K] with operand "regs"); w_gmem [N, K/8] uint32
     # (unpack "words") or [N, K/4] uint16;
-    # sb_gmem [K/64, N] uint32; o_gmem [split, N, Mp] f32; o_smem [block_n, block_m] f32; operand "smem":
+    # sb_gmem [K/64, N] uint32; o_gmem [split, M, N] f32 (out "rows"; "cols": [split, N, Mp]); o_smem [block_m,
+    # block_n] f32, the accumulator transposed ("cols": [block_n, block_m]); operand "smem":
     # a_smem [2, block_n, 64] bf16, dequantized groups, two slots so one group's dequantization overlaps the
     # previous group's MMA
     j, i, s = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("k")
@@ -101,6 +103,7 @@ def _kernel(xt_gmem, w_gmem, sb_gmem, o_gmem, o_smem, *a_smem, bs: BlockSizes, t
     first = s * tiles
     emulated = interpret and bs.operand == "regs"  # the interpreter computes the register-operand MMA with a dot
     words = bs.unpack == "words"
+    by_rows = bs.out == "rows"
     w_cols = WORDS if words else GROUP  # a tile row of weights: 128 bytes either way (one 128-byte swizzle)
 
     def read(ref, layout):  # registers in the MMA operand's layout (a plain read in interpret mode)
@@ -133,7 +136,8 @@ def _kernel(xt_gmem, w_gmem, sb_gmem, o_gmem, o_smem, *a_smem, bs: BlockSizes, t
             if bs.operand == "regs":  # the MMA reads the group from registers: no shared-memory round trip
                 xg = xt_smem.at[:, pl.ds(f * GROUP, GROUP)]
                 if emulated:  # the interpreter's MMA takes no register operand: the same product, into o_smem
-                    o_smem[...] += jnp.dot(a, xg[...].T, preferred_element_type=jnp.float32)
+                    prod = jnp.dot(a, xg[...].T, preferred_element_type=jnp.float32)
+                    o_smem[...] += prod.T if by_rows else prod
                 else:
                     plgpu.wgmma(acc, a, plgpu.transpose_ref(xg, (1, 0)))
                 continue
@@ -167,13 +171,34 @@ def _kernel(xt_gmem, w_gmem, sb_gmem, o_gmem, o_smem, *a_smem, bs: BlockSizes, t
             max_concurrent_steps=bs.stages,
             init_carry=acc,
         )(xt_gmem, w_gmem, sb_gmem)
-        if not emulated:
+        if not emulated and by_rows:
+            _store_transposed(acc[...], o_smem, interpret)
+        elif not emulated:
             o_smem[...] = acc[...]
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[s, pl.ds(j * bn, bn), pl.ds(i * bm, bm)])
+        if by_rows:  # a block's rows past M are dropped by TMA: only real rows are written
+            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[s, pl.ds(i * bm, bm), pl.ds(j * bn, bn)])
+        else:
+            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[s, pl.ds(j * bn, bn), pl.ds(i * bm, bm)])
         plgpu.wait_smem_to_gmem(0)
 
     pl.run_scoped(scope, plgpu.ACC((bn, bm), jnp.float32))
+
+
+def _store_transposed(acc: jax.Array, ref, interpret: bool) -> None:
+    """acc [bn, bm] f32 (the MMA accumulator's layout) into ref [bm, bn]: each thread's values, one at a time (a
+    transposed ref takes no vector stores, and the layout's vectors are column pairs)."""
+    if interpret:
+        ref[...] = acc.T
+        return
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
+    def store(_, value, smem):
+        from jaxlib.mlir.dialects import memref
+
+        value.foreach(lambda v, idx: memref.store(v, smem, [idx[1], idx[0]]))
+
+    store(acc, ref)
 
 
 def _pairs_as_bf16(q: jax.Array, interpret: bool) -> jax.Array:
@@ -212,8 +237,8 @@ def _check(x, words, packed, group_size, bs: BlockSizes):
         raise ValueError(f"want packed scales uint32 {(k // GROUP, n)} (`quant.pack_scale_bias`), got "
                          f"{packed.shape=} {packed.dtype=}")
     if bs.probe not in ("", "no_dequant", "loads") or bs.operand not in ("smem", "regs") or bs.unpack not in (
-            "words", "halves"):
-        raise ValueError(f"unknown probe {bs.probe!r}, operand {bs.operand!r} or unpack {bs.unpack!r}")
+            "words", "halves") or bs.out not in ("rows", "cols"):
+        raise ValueError(f"unknown probe {bs.probe!r}, operand {bs.operand!r}, unpack {bs.unpack!r} or out {bs.out!r}")
     if bs.operand == "regs" and (bs.block_m % 8 or bs.block_m > 256) or bs.operand == "smem" and bs.block_m != 16:
         raise ValueError(f"operand {bs.operand!r} cannot take block_m={bs.block_m} (regs: 8-row tiles; smem: 16)")
     if n % bs.block_n or k % (TILE * bs.split_k):
@@ -242,12 +267,14 @@ def qmatmul_pairs(x: jax.Array, words: jax.Array, packed: jax.Array, *, group_si
     if bs.unpack != "words":
         words = lax.bitcast_convert_type(words, jnp.uint16).reshape(n, k // 4)  # a word's low half first
     tiles = k // TILE // bs.split_k
+    by_rows = bs.out == "rows"
     kernel = functools.partial(_kernel, bs=bs, tiles=tiles, interpret=interpret)
     call = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((bs.split_k, n, mp), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((bs.split_k, mp if interpret else m, n) if by_rows else (bs.split_k, n, mp),
+                                      jnp.float32),  # the interpreter takes no block past the array's end
         scratch_types=[
-            plgpu.SMEM((bs.block_n, bs.block_m), jnp.float32),
+            plgpu.SMEM((bs.block_m, bs.block_n) if by_rows else (bs.block_n, bs.block_m), jnp.float32),
             *([] if bs.operand == "regs" else [
                 plgpu.SMEM((2, bs.block_n, GROUP), jnp.bfloat16,
                            transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32)))]),
@@ -257,11 +284,12 @@ def qmatmul_pairs(x: jax.Array, words: jax.Array, packed: jax.Array, *, group_si
         kernel_name="qmatmul_mgpu",
         interpret=_interpret_params() if interpret else None,
     )
-    parts = call(xt, words, packed)  # [split, N, Mp]
+    parts = call(xt, words, packed)  # [split, M, N] (out "cols": [split, N, Mp])
     out = parts[0]
     for p in range(1, bs.split_k):  # fixed order, elementwise: the same for every row
         out = out + parts[p]
-    return out[:, :m].T.astype(x.dtype).reshape(*x.shape[:-1], n)
+    out = out[:m] if by_rows else out[:, :m].T
+    return out.astype(x.dtype).reshape(*x.shape[:-1], n)
 
 
 def _interpret_params():

@@ -86,6 +86,7 @@ def main():
     ap.add_argument("--mgpu-sweep", action="store_true", help="the Mosaic GPU kernel's splits, stages and probes")
     ap.add_argument("--rows", default="1", help="rows of x for the Mosaic GPU kernel, e.g. 1,16,64")
     ap.add_argument("--unpack", default="", help="the Mosaic GPU kernel's unpacks to time, e.g. words,halves")
+    ap.add_argument("--outs", default="", help="the Mosaic GPU kernel's partial layouts to time, e.g. rows,cols")
     ap.add_argument("--block-m-check", action="store_true", help="are a row's bits the same for every block_m?")
     a = ap.parse_args()
     print(jax.devices()[0].device_kind, jax.__version__, flush=True)
@@ -122,11 +123,13 @@ def main():
             configs = mgpu_configs(n, k, a.mgpu_sweep)
             if a.unpack:
                 configs = [dataclasses.replace(bs, unpack=u) for bs in configs for u in a.unpack.split(",")]
+            if a.outs:
+                configs = [dataclasses.replace(bs, out=o) for bs in configs for o in a.outs.split(",")]
             for m, bs in itertools.product(map(int, a.rows.split(",")), configs):
                 xm = jax.random.normal(jax.random.key(3), (m, k), jnp.bfloat16)
                 t = time.perf_counter()
                 label = (f"mgpu {shape} M={m} {bs.operand} m{bs.block_m or 'rows'} split {bs.split_k} programs "
-                         f"{n // 64 * bs.split_k} stages {bs.stages} {bs.unpack} {bs.probe}")
+                         f"{n // 64 * bs.split_k} stages {bs.stages} {bs.unpack} out {bs.out} {bs.probe}")
                 f = functools.partial(mg.qmatmul_pairs, xm, block_sizes=bs)
                 if not a.ncu and not bs.probe:
                     ref_m = ref if m == 1 else qm.reference(xm, *quant.from_pair_layout(*sets[0]), bits=4, group_size=64)

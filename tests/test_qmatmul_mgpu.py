@@ -52,6 +52,17 @@ def test_interpret_words_and_halves_unpack_the_same_bits(m, split):
     np.testing.assert_array_equal(y["words"], y["halves"])
 
 
+@pytest.mark.parametrize("m,split", [(1, 2), (9, 2), (70, 1)])
+def test_interpret_rows_and_columns_out_give_the_same_bits(m, split):
+    """Partials [split, M, N] (the accumulator transposed in shared memory) hold what [split, N, Mp] held."""
+    rng = np.random.default_rng(20 + m)
+    words, packed = _weights(rng, 128, 1024)
+    x = jnp.asarray(rng.standard_normal((m, 1024)), jnp.bfloat16)
+    y = {o: np.asarray(mg.qmatmul_pairs(x, words, packed, block_sizes=mg.BlockSizes(split_k=split, out=o),
+                                        interpret=True)).view(np.uint16) for o in ("rows", "cols")}
+    np.testing.assert_array_equal(y["rows"], y["cols"])
+
+
 def _element(layout, shape, warp, lane, reg, v=0):
     """The logical index a thread's register element holds in a Mosaic tiled layout (its `thread_idxs`, in numpy)."""
     from jax.experimental.mosaic.gpu.fragmented_array import Replicated
@@ -87,7 +98,8 @@ def test_words_layout_puts_each_word_where_the_operand_keeps_its_two_inputs():
 @pytest.mark.parametrize("n,k,kw", [(17408, 5120, {}), (5120, 17408, dict(unpack="halves")), (5120, 17408, {}),
                                     (17408, 5120, dict(stages=3, probe="no_dequant")),
                                     (17408, 5120, dict(operand="smem", block_m=16)), (5120, 17408, dict(block_m=16)),
-                                    (17408, 5120, dict(block_m=64)), (17408, 5120, dict(pad_rows=True))])
+                                    (17408, 5120, dict(block_m=64)), (17408, 5120, dict(pad_rows=True)),
+                                    (5120, 17408, dict(out="cols"))])
 def test_lowers_to_mosaic_gpu_for_the_dense27_mlp_without_a_gpu(n, k, kw):
     text = mg.lowered_for_gpu(n, k, m=3, block_sizes=mg.BlockSizes.for_weight(n, k, **kw))
     assert "mosaic_gpu" in text
@@ -130,13 +142,15 @@ def test_bad_inputs_raise_naming_the_value():
         mg.qmatmul_pairs(x, words, packed, block_sizes=mg.BlockSizes(probe="fast"), interpret=True)
     with pytest.raises(ValueError, match="unpack 'nibbles'"):
         mg.qmatmul_pairs(x, words, packed, block_sizes=mg.BlockSizes(unpack="nibbles"), interpret=True)
+    with pytest.raises(ValueError, match="out 'both'"):
+        mg.qmatmul_pairs(x, words, packed, block_sizes=mg.BlockSizes(out="both"), interpret=True)
     with pytest.raises(ValueError, match="K=256"):
         mg.qmatmul_pairs(x[:, :256], words, packed, interpret=True)
 
 
 GPU_VARIANTS = [mg.BlockSizes(operand="smem", block_m=16), mg.BlockSizes(), mg.BlockSizes(block_m=16, stages=3),
-                mg.BlockSizes(pad_rows=True), mg.BlockSizes(unpack="halves")]
-GPU_IDS = ["smem", "regs-rows-tma-fill", "regs-m16", "padded-rows", "halves"]
+                mg.BlockSizes(pad_rows=True), mg.BlockSizes(unpack="halves"), mg.BlockSizes(out="cols")]
+GPU_IDS = ["smem", "regs-rows-tma-fill", "regs-m16", "padded-rows", "halves", "out-cols"]
 
 
 @pytest.mark.gpu
@@ -174,3 +188,15 @@ def test_gpu_words_unpack_bit_identical_to_halves(n, k, m):
     y = {u: np.asarray(mg.qmatmul_pairs(x, words, packed, block_sizes=mg.BlockSizes.for_weight(n, k, unpack=u)))
          for u in ("words", "halves")}
     np.testing.assert_array_equal(y["words"].view(np.uint16), y["halves"].view(np.uint16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 5, 33, 70])
+def test_gpu_rows_out_bit_identical_to_columns_out(m):
+    """Real rows only (TMA drops a block's rows past M, 70 rows: a second block of 6) hold the padded out's bits."""
+    rng = np.random.default_rng(30 + m)
+    words, packed = _weights(rng, 5120, 6144)
+    x = jnp.asarray(rng.standard_normal((m, 6144)), jnp.bfloat16)
+    y = {o: np.asarray(mg.qmatmul_pairs(x, words, packed, block_sizes=mg.BlockSizes.for_weight(5120, 6144, out=o)))
+         for o in ("rows", "cols")}
+    np.testing.assert_array_equal(y["rows"].view(np.uint16), y["cols"].view(np.uint16))

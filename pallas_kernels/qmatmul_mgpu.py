@@ -249,6 +249,17 @@ def _check(x, words, packed, group_size, bs: BlockSizes):
 def qmatmul_pairs(x: jax.Array, words: jax.Array, packed: jax.Array, *, group_size: int = GROUP,
                   block_sizes: BlockSizes | None = None, interpret: bool = False) -> jax.Array:
     """``x [..., K] @ W.T -> [..., N]`` in x's dtype (bf16 operands, f32 accumulation); row-invariant."""
+    parts = qmatmul_parts(x, words, packed, group_size=group_size, block_sizes=block_sizes, interpret=interpret)
+    out = parts[0]
+    for p in range(1, parts.shape[0]):  # fixed order, elementwise: the same for every row
+        out = out + parts[p]
+    return out.astype(x.dtype)
+
+
+def qmatmul_parts(x: jax.Array, words: jax.Array, packed: jax.Array, *, group_size: int = GROUP,
+                  block_sizes: BlockSizes | None = None, interpret: bool = False) -> jax.Array:
+    """The K split's partial products ``[split, ..., N]`` f32, for a consumer that sums them in order (the
+    residual add and norm, `ops.add_norm`: one launch fewer than summing here)."""
     k = x.shape[-1]
     n = words.shape[0]
     bs = block_sizes or BlockSizes.for_weight(n, k, **POLICY)
@@ -285,11 +296,8 @@ def qmatmul_pairs(x: jax.Array, words: jax.Array, packed: jax.Array, *, group_si
         interpret=_interpret_params() if interpret else None,
     )
     parts = call(xt, words, packed)  # [split, M, N] (out "cols": [split, N, Mp])
-    out = parts[0]
-    for p in range(1, bs.split_k):  # fixed order, elementwise: the same for every row
-        out = out + parts[p]
-    out = out[:m] if by_rows else out[:, :m].T
-    return out.astype(x.dtype).reshape(*x.shape[:-1], n)
+    parts = parts[:, :m] if by_rows else parts[:, :, :m].transpose(0, 2, 1)
+    return parts.reshape(bs.split_k, *x.shape[:-1], n)
 
 
 def _interpret_params():

@@ -47,6 +47,32 @@ def pieces(d: int, cap: int = 0) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
+def _normalised(xs, ws, zs, *, kind: str, eps: float, d: int, dtype) -> list:
+    """The norm of a row given as its pieces (with the weight's and gate's pieces): the outputs, piece by piece."""
+    ss = jnp.float32(0.0)
+    for x in xs:
+        xf = x.astype(jnp.float32)
+        ss = ss + jnp.sum(xf * xf)
+    denom = jnp.sqrt(ss + eps) if kind == "l2" else jnp.sqrt(ss / d + eps)
+    out = []
+    for x, w, z in zip(xs, ws, zs, strict=True):
+        xf = x.astype(jnp.float32) / denom
+        if kind == "l2":
+            y = xf.astype(dtype)
+        elif kind == "rms_offset":
+            y = (xf * (1.0 + w.astype(jnp.float32))).astype(dtype)
+        else:  # weight times the normalised row in the row's dtype, as the reference rounds it
+            wx = jnp.result_type(w.dtype, x.dtype)
+            y = (w.astype(jnp.float32) * xf.astype(x.dtype).astype(jnp.float32)).astype(wx)
+            if kind == "gated":
+                zf = z.astype(jnp.float32)
+                y = (y.astype(jnp.float32) * (zf * jax.nn.sigmoid(zf))).astype(dtype)
+            else:
+                y = y.astype(dtype)
+        out.append(y)
+    return out
+
+
 def _row_norm_kernel(*refs, kind: str, eps: float, d: int):
     # x_ref [D]; w_ref [D] (not for l2); z_ref [D] (gated only); o_ref [D]
     x_ref, o_ref = refs[0], refs[-1]
@@ -57,25 +83,25 @@ def _row_norm_kernel(*refs, kind: str, eps: float, d: int):
     xs = [x_ref[pl.ds(off, size)] for off, size in parts]
     ws = [w_ref[pl.ds(off, size)] for off, size in parts] if w_ref is not None else [None] * len(parts)
     zs = [z_ref[pl.ds(off, size)] for off, size in parts] if z_ref is not None else [None] * len(parts)
-    ss = jnp.float32(0.0)
-    for x in xs:
-        xf = x.astype(jnp.float32)
-        ss = ss + jnp.sum(xf * xf)
-    denom = jnp.sqrt(ss + eps) if kind == "l2" else jnp.sqrt(ss / d + eps)
-    for (off, size), x, w, z in zip(parts, xs, ws, zs, strict=True):
-        xf = x.astype(jnp.float32) / denom
-        if kind == "l2":
-            y = xf.astype(o_ref.dtype)
-        elif kind == "rms_offset":
-            y = (xf * (1.0 + w.astype(jnp.float32))).astype(o_ref.dtype)
-        else:  # weight times the normalised row in the row's dtype, as the reference rounds it
-            wx = jnp.result_type(w.dtype, x.dtype)
-            y = (w.astype(jnp.float32) * xf.astype(x.dtype).astype(jnp.float32)).astype(wx)
-            if kind == "gated":
-                zf = z.astype(jnp.float32)
-                y = (y.astype(jnp.float32) * (zf * jax.nn.sigmoid(zf))).astype(o_ref.dtype)
-            else:
-                y = y.astype(o_ref.dtype)
+    for (off, size), y in zip(parts, _normalised(xs, ws, zs, kind=kind, eps=eps, d=d, dtype=o_ref.dtype),
+                              strict=True):
+        o_ref[pl.ds(off, size)] = y
+
+
+def _add_norm_kernel(x_ref, p_ref, w_ref, nx_ref, o_ref, *, kind: str, eps: float, d: int, splits: int):
+    # x_ref [D] the residual row; p_ref [S, D] the update's partial sums; w_ref [D]; nx_ref [D] the residual plus the
+    # update (summed in order in p's dtype, rounded to x's, then added), o_ref [D] its norm
+    parts = pieces(d)
+    xs = [x_ref[pl.ds(off, size)] for off, size in parts]
+    ws = [w_ref[pl.ds(off, size)] for off, size in parts]
+    ups = [p_ref[0, pl.ds(off, size)] for off, size in parts]
+    for s in range(1, splits):
+        ups = [u + p_ref[s, pl.ds(off, size)] for u, (off, size) in zip(ups, parts, strict=True)]
+    nxs = [(x.astype(jnp.float32) + u.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)
+           for x, u in zip(xs, ups, strict=True)]
+    ys = _normalised(nxs, ws, [None] * len(parts), kind=kind, eps=eps, d=d, dtype=o_ref.dtype)
+    for (off, size), nx, y in zip(parts, nxs, ys, strict=True):
+        nx_ref[pl.ds(off, size)] = nx
         o_ref[pl.ds(off, size)] = y
 
 
@@ -114,6 +140,43 @@ def row_norm(x: jax.Array, weight: jax.Array | None = None, z: jax.Array | None 
         interpret=interpret,
         name=f"row_norm_{kind}",
     )(*args)
+
+
+ADD_KINDS = ("rms", "rms_offset")  # the residual stream's norms
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "eps", "block_sizes", "interpret"))
+def add_norm(x: jax.Array, parts: jax.Array, weight: jax.Array, *, kind: str, eps: float,
+             block_sizes: BlockSizes = BlockSizes(), interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """x [M, D] plus an update given as S partial sums parts [S, M, D] (a matmul's K split), and that sum's norm:
+    one launch where XLA's sum and add and the norm kernel took two (see `add_norm_reference`)."""
+    if kind not in ADD_KINDS:
+        raise ValueError(f"{kind=} must be one of {ADD_KINDS}")
+    _check(x, weight, None, kind)
+    m, d = x.shape
+    if parts.ndim != 3 or parts.shape[1:] != x.shape:
+        raise ValueError(f"want partial sums [S, M, D] for x {x.shape}, got {parts.shape=}")
+    row = pl.BlockSpec((None, d), lambda i: (i, 0))
+    return pl.pallas_call(
+        functools.partial(_add_norm_kernel, kind=kind, eps=float(eps), d=d, splits=parts.shape[0]),
+        grid=(m,),
+        in_specs=[row, pl.BlockSpec((parts.shape[0], None, d), lambda i: (0, i, 0)), pl.BlockSpec((d,), lambda i: (0,))],
+        out_specs=[row, row],
+        out_shape=[jax.ShapeDtypeStruct((m, d), x.dtype)] * 2,
+        compiler_params=plgpu.CompilerParams(num_warps=block_sizes.warps(d), num_stages=1),
+        interpret=interpret,
+        name=f"add_norm_{kind}",
+    )(x, parts, weight)
+
+
+def add_norm_reference(x: jax.Array, parts: jax.Array, weight: jax.Array, *, kind: str,
+                       eps: float) -> tuple[jax.Array, jax.Array]:
+    """The residual update in plain jax.numpy: parts summed in order, rounded to x's dtype, added; then the norm."""
+    update = parts[0]
+    for p in parts[1:]:
+        update = update + p
+    nx = x + update.astype(x.dtype)
+    return nx, reference(nx, weight, kind=kind, eps=eps)
 
 
 def reference(x: jax.Array, weight: jax.Array | None = None, z: jax.Array | None = None, *, kind: str,

@@ -115,7 +115,7 @@ def spy_interpreted(monkeypatch, module, name: str, record) -> list:
 
     def spy(*args, **kwargs):
         calls.append(record(args, kwargs))
-        return kernel(*args, **kwargs, interpret=True)
+        return kernel(*args, **{**kwargs, "interpret": True})
 
     monkeypatch.setattr(module, name, spy)
     return calls

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from pallas_kernels import qmatmul as qk
 from pallas_kernels import qmatmul_mgpu as mg
@@ -71,3 +72,33 @@ def test_packed_pair_linears_take_the_mosaic_kernel_for_whole_column_blocks(kern
     got = ops.qmatmul(x, pw, quant.pack_scale_bias(ps, pb), None, bits=4, group_size=64, rows=True, layout="pairs")
     assert calls[want] == [(3, 512)] and all(not c for k, c in calls.items() if k != want)
     assert rel_err(got, quant.qmatmul_reference(x, jnp.asarray(w), s, b, 4, 64)) < 1e-2
+
+
+def test_partials_of_a_mosaic_linear_summed_by_the_norm_give_the_unfused_residual(kernel_dispatch, monkeypatch):
+    """`Linear.partials` hands the Mosaic kernel's K-split partials to `RMSNorm.add` (one launch: sum, add, norm):
+    the residual comes out with the bits of `x + linear(h)`, the norm within one bf16 rounding of its norm."""
+    from pallas_kernels import row_norm as rn
+
+    monkeypatch.setenv("TFJAX_QMATMUL_MGPU", "1")
+    calls = {"parts": spy_interpreted(monkeypatch, mg, "qmatmul_parts", lambda a, kw: a[0].shape),
+             "pairs": spy_interpreted(monkeypatch, mg, "qmatmul_pairs", lambda a, kw: a[0].shape),
+             "add_norm": spy_interpreted(monkeypatch, rn, "add_norm", lambda a, kw: a[1].shape),
+             "norm": spy_interpreted(monkeypatch, rn, "row_norm", lambda a, kw: a[0].shape)}
+    monkeypatch.setattr(mg, "POLICY", dict(max_split=2, programs=10**6))  # 1024 inputs: 4 tiles, split 2
+    rng = np.random.default_rng(21)
+    lin = layers.Linear(1024, 128, quant=(4, 64), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    lin.weight[...] = jnp.asarray(rng.integers(0, 2**32, (128, 1024 // 8), dtype=np.uint32))
+    lin.scales[...] = jnp.asarray(rng.uniform(0.001, 0.01, (128, 16)), jnp.bfloat16)
+    lin.biases[...] = jnp.asarray(rng.normal(0, 0.05, (128, 16)), jnp.bfloat16)
+    layers.use_kernel_layout(lin)
+    norm = layers.RMSNorm(128, 1e-6, offset=True, dtype=jnp.bfloat16)
+    norm.weight[...] = jnp.asarray(rng.standard_normal(128) * 0.2, jnp.bfloat16)
+    h = jnp.asarray(rng.standard_normal((2, 1, 1024)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((2, 1, 128)), jnp.bfloat16)
+    parts = lin.partials(h, rows=True)
+    assert parts.shape == (2, 2, 1, 128) and parts.dtype == jnp.float32 and calls["parts"] == [(2, 1, 1024)]
+    nx, y = norm.add(x, parts, rows=True)
+    assert calls["add_norm"] == [(2, 2, 128)]
+    want_nx = x + lin(h, rows=True)
+    np.testing.assert_array_equal(np.asarray(nx, np.float32), np.asarray(want_nx, np.float32))
+    assert rel_err(y, norm(want_nx, rows=True)) < 1e-2 and calls["norm"] == [(2, 128)]

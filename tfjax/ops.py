@@ -40,6 +40,12 @@ def norm_kernel() -> bool:
     return use_kernels() and os.environ.get("TFJAX_NORM_KERNEL", "1") != "0"
 
 
+def add_norm_fused() -> bool:
+    """The residual add rides the next norm's launch, with the 4-bit kernel's K-split sum (default with the norm
+    kernel; `TFJAX_ADD_NORM=0` sums and adds through XLA, then the norm kernel)."""
+    return norm_kernel() and os.environ.get("TFJAX_ADD_NORM", "1") != "0"
+
+
 def dense_kernel() -> bool:
     """Lane-round rows of dense (unquantized) weights through the fixed-tile Pallas matmul on GPU (default;
     `TFJAX_DENSE_KERNEL=0` keeps the 64-row tile loop)."""
@@ -166,6 +172,24 @@ def row_norm(x: jax.Array, weight: jax.Array | None = None, z: jax.Array | None 
     return rowwise(lambda r: rn.reference(r[..., :d], weight, r[..., d:], kind=kind, eps=eps), xz, rows)
 
 
+def add_norm(x: jax.Array, parts: jax.Array, weight: jax.Array, *, kind: str, eps: float,
+             rows: bool = False) -> tuple[jax.Array, jax.Array]:
+    """The residual stream's step: x + the update given as partial sums parts [S, ..., D] (`qmatmul(parts=True)`),
+    and its RMSNorm; returns both. Lane-round rows take one fused launch on GPU; elsewhere the sum, the add and
+    `row_norm`, with the same arithmetic (`pallas_kernels.row_norm.add_norm_reference`)."""
+    from pallas_kernels import row_norm as rn
+
+    d = x.shape[-1]
+    if rows and add_norm_fused():
+        nx, y = rn.add_norm(x.reshape(-1, d), parts.reshape(parts.shape[0], -1, d), weight, kind=kind, eps=eps)
+        return nx.reshape(x.shape), y.reshape(x.shape)
+    update = parts[0]
+    for p in parts[1:]:  # fixed order, elementwise
+        update = update + p
+    nx = x + update.astype(x.dtype)
+    return nx, row_norm(nx, weight, kind=kind, eps=eps, rows=rows)
+
+
 def conv_silu(taps: jax.Array, weight: jax.Array, *, rows: bool = False) -> jax.Array:
     """DeltaNet's depthwise causal conv + silu: taps [..., K, C], weight [C, K] -> [..., C].
 
@@ -191,14 +215,17 @@ def matmul(x: jax.Array, w: jax.Array, *, rows: bool = False) -> jax.Array:
 
 
 def qmatmul(x: jax.Array, weight: jax.Array, scales: jax.Array, biases: jax.Array | None, *, bits: int,
-            group_size: int, rows: bool = False, layout: str = "mlx") -> jax.Array:
+            group_size: int, rows: bool = False, layout: str = "mlx", parts: bool = False) -> jax.Array:
     """x [..., in] @ dequant(weight)[out, in].T for MLX affine weights, in the MLX, kernel or pair layout.
 
     Kernel or pair layout (`quant.to_kernel_layout`, `quant.to_pair_layout`): on GPU the row-invariant tiled
     kernel for lane-round rows (any count) and for up to `KERNEL_MAX_ROWS` prompt rows; XLA's
     dequantize-then-dot elsewhere. `biases=None`: `scales` holds both (`quant.pack_scale_bias`).
+    `parts`: the product as partial sums [S, ..., out] for the consumer to sum in order (`add_norm`): the Mosaic
+    kernel's K-split partials (f32), else the product itself as S = 1.
     """
     lead = x.shape[:-1]
+    done = (lambda y: y[None]) if parts else (lambda y: y)  # one partial sum: the product
     if layout in ("kernel", "pairs"):
         if use_kernels() and (rows or math.prod(lead) <= KERNEL_MAX_ROWS):
             from pallas_kernels import qmatmul as qk
@@ -207,22 +234,24 @@ def qmatmul(x: jax.Array, weight: jax.Array, scales: jax.Array, biases: jax.Arra
                 from pallas_kernels import qmatmul_mgpu
 
                 if qmatmul_mgpu.BlockSizes.serves(weight.shape[0], x.shape[-1], group_size):
+                    if parts:
+                        return qmatmul_mgpu.qmatmul_parts(x, weight, scales)
                     return qmatmul_mgpu.qmatmul_pairs(x, weight, scales)
             bs = qk.TiledBlockSizes.for_layout(weight.shape[0], x.shape[-1], bits, group_size, layout)
-            return qk.qmatmul_tiled(x, weight, scales, biases, bits=bits, group_size=group_size, block_sizes=bs)
+            return done(qk.qmatmul_tiled(x, weight, scales, biases, bits=bits, group_size=group_size, block_sizes=bs))
         from tfjax import quant
 
         if biases is None:
             scales, biases = quant.unpack_scale_bias(scales)
         unpacked = quant.dequantize_kernel_layout if layout == "kernel" else quant.dequantize_pair_layout
         w = unpacked(weight, scales, biases, bits=bits, group_size=group_size, dtype=x.dtype)
-        return matmul(x, w, rows=rows)
+        return done(matmul(x, w, rows=rows))
     if use_kernels() and math.prod(lead) <= KERNEL_MAX_ROWS:  # prompts: XLA's dequantize-then-dot is faster
         from pallas_kernels import qmatmul as qk
 
         y = qk.qmatmul(x.reshape(-1, x.shape[-1]), weight, scales, biases, bits=bits, group_size=group_size)
-        return y.reshape(*lead, y.shape[-1])
+        return done(y.reshape(*lead, y.shape[-1]))
     from tfjax import quant
 
     w = quant.dequantize(weight, scales, biases, bits=bits, group_size=group_size, dtype=x.dtype)
-    return matmul(x, w, rows=rows)
+    return done(matmul(x, w, rows=rows))

@@ -43,7 +43,15 @@ class RMSNorm(nnx.Module):
         self.eps, self.offset = eps, offset
 
     def __call__(self, x: jax.Array, rows: bool = False) -> jax.Array:
-        return ops.row_norm(x, self.weight[...], kind="rms_offset" if self.offset else "rms", eps=self.eps, rows=rows)
+        return ops.row_norm(x, self.weight[...], kind=self.kind, eps=self.eps, rows=rows)
+
+    @property
+    def kind(self) -> str:
+        return "rms_offset" if self.offset else "rms"
+
+    def add(self, x: jax.Array, parts: jax.Array, rows: bool = False) -> tuple[jax.Array, jax.Array]:
+        """The residual x plus an update given as partial sums (`Linear.partials`), and its norm (`ops.add_norm`)."""
+        return ops.add_norm(x, parts, self.weight[...], kind=self.kind, eps=self.eps, rows=rows)
 
 
 class Linear(nnx.Module):
@@ -74,6 +82,16 @@ class Linear(nnx.Module):
         if self.bias is not None:
             y = y + self.bias[...].astype(y.dtype)
         return y
+
+    def partials(self, x: jax.Array, rows: bool = False) -> jax.Array:
+        """y as partial sums [S, ..., out] for a consumer that sums them in order (`RMSNorm.add`): the 4-bit
+        kernel's K split, so its sum rides the consumer's launch; [1, ...] when y comes whole."""
+        if self.quant is None or self.bias is not None:
+            return self(x, rows)[None]
+        bits, group = self.quant
+        biases = None if self.biases is None else self.biases[...]
+        return ops.qmatmul(x, self.weight[...], self.scales[...], biases, bits=bits, group_size=group, rows=rows,
+                           layout=self.layout, parts=True)
 
 
 class Embedding(nnx.Module):
@@ -315,7 +333,8 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
 
     def __call__(self, x: jax.Array, positions: jax.Array, valid: jax.Array, pages: KVPages, page_table: jax.Array,
-                 mode: Mode) -> tuple[jax.Array, KVPages]:
+                 mode: Mode, project: bool = True) -> tuple[jax.Array, KVPages]:
+        """The attention output [B, T, D] (`project=False`: before o_proj, [B, T, H*E]) and the new pages."""
         b, t, _ = x.shape
         q, k, v = projections(self, x, mode.rows)
         if self.gated:
@@ -335,7 +354,7 @@ class Attention(nnx.Module):
         o = paged_attention(q, pages, page_table, positions, mode.rows).reshape(b, t, -1)  # [B, T, H*E]
         if self.gated:
             o = o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(o.dtype)
-        return self.o_proj(o, mode.rows), pages
+        return (self.o_proj(o, mode.rows) if project else o), pages
 
 
 class MLP(nnx.Module):
@@ -349,8 +368,15 @@ class MLP(nnx.Module):
         self.down_proj = Linear(hidden, d, quant=quant_for(f"{prefix}.down_proj"), dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array, rows: bool = False) -> jax.Array:
+        return self.down_proj(self._hidden(x, rows), rows)
+
+    def _hidden(self, x: jax.Array, rows: bool) -> jax.Array:
         gate, up = projections(self, x, rows)
-        return self.down_proj(jax.nn.silu(gate) * up, rows)
+        return jax.nn.silu(gate) * up
+
+    def partials(self, x: jax.Array, rows: bool = False) -> jax.Array:
+        """The output as the down projection's partial sums (`Linear.partials`)."""
+        return self.down_proj.partials(self._hidden(x, rows), rows)
 
 
 def quant_lookup(config: ModelConfig):

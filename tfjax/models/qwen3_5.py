@@ -105,8 +105,9 @@ class GatedDeltaNet(nnx.Module):
                                         rows=rows)
         return DeltaTrace(mixed, q, k, v, g, beta)
 
-    def __call__(self, x: jax.Array, cache: DeltaState, valid: jax.Array,
-                 mode: Mode) -> tuple[jax.Array, DeltaState, DeltaTrace | None]:
+    def __call__(self, x: jax.Array, cache: DeltaState, valid: jax.Array, mode: Mode,
+                 project: bool = True) -> tuple[jax.Array, DeltaState, DeltaTrace | None]:
+        """The mixer's output [B, T, D] (`project=False`: before out_proj), the new state, the round's trace."""
         c = self.c
         b, t, _ = x.shape
         mixed, z, b_in, a = projections(self, x, mode.rows)  # mixed [B, T, C]
@@ -134,7 +135,8 @@ class GatedDeltaNet(nnx.Module):
                 trace = None
             new_conv = conv_tail_after(cache.conv, mixed, valid)
         out = self.norm(out.astype(x.dtype), z, mode.rows)
-        return self.out_proj(out.reshape(b, t, -1), mode.rows), DeltaState(new_conv, state), trace
+        out = out.reshape(b, t, -1)
+        return (self.out_proj(out, mode.rows) if project else out), DeltaState(new_conv, state), trace
 
 
 def conv_tail_after(conv_tail: jax.Array, mixed: jax.Array, count: jax.Array) -> jax.Array:
@@ -177,6 +179,9 @@ class SparseMoE(nnx.Module):
         routed = self.experts(xf, top_i, top_p)
         shared = self.shared_expert(xf, rows) * jax.nn.sigmoid(self.shared_expert_gate(xf, rows))
         return (routed + shared).reshape(*lead, d)
+
+    def partials(self, x: jax.Array, rows: bool = False) -> jax.Array:
+        return self(x, rows)[None]  # routed and shared experts come summed: one partial
 
 
 class Experts(nnx.Module):
@@ -248,16 +253,23 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, offset=c.rms_norm_offset, dtype=dt)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, offset=c.rms_norm_offset, dtype=dt)
 
-    def __call__(self, x, positions, valid, layer_cache, page_table, mode: Mode):
-        h = self.input_layernorm(x, mode.rows)
-        trace = None
-        if self.kind == "linear_attention":
-            h, layer_cache, trace = self.linear_attn(h, layer_cache, valid, mode)
+    def __call__(self, x, pending, positions, valid, layer_cache, page_table, mode: Mode):
+        """x: the residual stream before the previous layer's MLP update `pending` (partial sums; None for the first
+        layer). Returns the stream with it (the previous layer's output), the stream before this layer's MLP update,
+        that update (partial sums: the next norm sums and adds them in its launch), the cache and the trace."""
+        if pending is None:
+            h = self.input_layernorm(x, mode.rows)
         else:
-            h, layer_cache = self.self_attn(h, positions, valid, layer_cache, page_table, mode)
-        x = x + h
-        x = x + self.mlp(self.post_attention_layernorm(x, mode.rows), mode.rows)
-        return x, layer_cache, trace
+            x, h = self.input_layernorm.add(x, pending, mode.rows)
+        x_in, trace = x, None
+        if self.kind == "linear_attention":
+            o, layer_cache, trace = self.linear_attn(h, layer_cache, valid, mode, project=False)
+            out_proj = self.linear_attn.out_proj
+        else:
+            o, layer_cache = self.self_attn(h, positions, valid, layer_cache, page_table, mode, project=False)
+            out_proj = self.self_attn.o_proj
+        x, h = self.post_attention_layernorm.add(x, out_proj.partials(o, mode.rows), mode.rows)
+        return x_in, x, self.mlp.partials(h, mode.rows), layer_cache, trace
 
 
 @jax.tree_util.register_dataclass
@@ -310,13 +322,14 @@ class CausalLM(nnx.Module):
         b, t = tokens.shape
         positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         x = self.model["embed_tokens"](tokens)  # [B, T, D]
-        new_layers, traces, tapped = [], [], {}
+        new_layers, traces, tapped, pending = [], [], {}, None
         for i, (layer, lc) in enumerate(zip(self.model["layers"], cache.layers, strict=True)):
-            x, lc, tr = layer(x, positions, valid, lc, cache.page_table, mode)
+            x_in, x, pending, lc, tr = layer(x, pending, positions, valid, lc, cache.page_table, mode)
             new_layers.append(lc)
             traces.append(tr)
-            tapped[i] = x
-        x = self.model["norm"](x, mode.rows)
+            if i:
+                tapped[i - 1] = x_in  # layer i - 1's output: its MLP update added in layer i's first norm
+        _, x = self.model["norm"].add(x, pending, mode.rows)
         tapped[len(new_layers) - 1] = x
         taps = jnp.concatenate([tapped[i] for i in mode.taps], axis=-1) if mode.taps else None
         if mode.last_only:

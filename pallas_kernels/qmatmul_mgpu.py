@@ -256,6 +256,7 @@ def qmatmul_pairs(x: jax.Array, words: jax.Array, packed: jax.Array, *, group_si
     return out.astype(x.dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("group_size", "block_sizes", "interpret"))
 def qmatmul_parts(x: jax.Array, words: jax.Array, packed: jax.Array, *, group_size: int = GROUP,
                   block_sizes: BlockSizes | None = None, interpret: bool = False) -> jax.Array:
     """The K split's partial products ``[split, ..., N]`` f32, for a consumer that sums them in order (the

@@ -6,7 +6,7 @@
 
 `--random-weights BITS` times the folder's geometry (config.json, tokenizer) with random MLX weights
 (0 = the config's dtype), for a model too large to ship: plain rows only, since what copies and drafts
-accept depends on real weights.
+accept depends on real weights (`--exact` adds them anyway: their hashes still check exactness on the GPU).
 
 Every row's `token_sha256` is compared with the plain row of its cell (`draft: false`).
 """
@@ -53,6 +53,8 @@ def main():
     ap.add_argument("--width", type=int, default=8)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--plain-twice", action="store_true", help="a second plain row: is plain decoding deterministic?")
+    ap.add_argument("--exact", action="store_true",
+                    help="with --random-weights, the drafted rows too (their hashes check exactness; speeds mean little)")
     ap.add_argument("--random-weights", type=int, default=None, metavar="BITS",
                     help="random MLX BITS-bit weights of the folder's geometry (0: unquantized); plain rows only")
     ap.add_argument("--cells", default="code edit,code new,chat", help="prompts to run, comma separated")
@@ -78,7 +80,8 @@ def main():
         for sampling, params in modes:
             base_s, base = timed(engines["copies"], prompt, args.tokens, False, params)
             print(f"| {name}, {sampling} | plain | {base_s:.1f} | {base.tokens_per_round:.2f} | 1.00 | - |")
-            runs = [] if args.random_weights is not None else [(m, llm, True) for m, llm in engines.items()]
+            drafted = args.random_weights is None or args.exact
+            runs = [(m, llm, True) for m, llm in engines.items()] if drafted else []
             if args.plain_twice:
                 runs.insert(0, ("plain again", engines["copies"], False))
             for mode, llm, draft in runs:

@@ -136,18 +136,23 @@ def test_add_norm_bad_arguments_raise_naming_the_value():
         rn.add_norm(x, parts, w[:32], kind="rms", eps=1e-6, interpret=True)
 
 
-def test_model_rows_add_and_norm_in_one_kernel_only_with_kernels(monkeypatch):
-    """`ops.add_norm`: lane-round rows take the fused kernel when kernels are on; elsewhere the sum, the add and
-    the norm, with the same sum and add bits."""
+def test_model_rows_add_and_norm_in_one_kernel_only_when_switched_on(monkeypatch):
+    """`ops.add_norm`: lane-round rows take the fused kernel when kernels and `TFJAX_ADD_NORM=1` are on; elsewhere
+    the sum, the add and the norm, with the same sum and add bits."""
     from tfjax import ops
 
     calls = spy_interpreted(monkeypatch, rn, "add_norm", lambda args, kw: args[1].shape)
+    norms = spy_interpreted(monkeypatch, rn, "row_norm", lambda args, kw: args[0].shape)
     x, parts, w = _add_case(np.random.default_rng(14), 4, 6, 96)
     x, parts = x.reshape(2, 3, 96), parts.reshape(4, 2, 3, 96)
     want_nx, want_y = rn.add_norm_reference(x, parts, w, kind="rms", eps=1e-6)
     nx, y = ops.add_norm(x, parts, w, kind="rms", eps=1e-6, rows=True)
     assert calls == [] and (nx == want_nx).all() and rel_err(y, want_y) < 1e-2
     monkeypatch.setattr(ops, "_FORCE", "kernel")
+    nx, y = ops.add_norm(x, parts, w, kind="rms", eps=1e-6, rows=True)
+    assert calls == [] and norms == [(6, 96)]  # off by default: XLA's sum and add, then the norm kernel, are faster
+    assert (nx == want_nx).all() and rel_err(y, want_y) < 1e-2
+    monkeypatch.setenv("TFJAX_ADD_NORM", "1")
     nx, y = ops.add_norm(x, parts, w, kind="rms", eps=1e-6, rows=True)
     assert calls == [(4, 6, 96)] and nx.shape == x.shape and (nx == want_nx).all() and rel_err(y, want_y) < 1e-2
 

@@ -41,9 +41,11 @@ def norm_kernel() -> bool:
 
 
 def add_norm_fused() -> bool:
-    """The residual add rides the next norm's launch, with the 4-bit kernel's K-split sum (default with the norm
-    kernel; `TFJAX_ADD_NORM=0` sums and adds through XLA, then the norm kernel)."""
-    return norm_kernel() and os.environ.get("TFJAX_ADD_NORM", "1") != "0"
+    """The residual add and the 4-bit kernel's K-split sum ride the next norm's launch (`TFJAX_ADD_NORM=1`; off by
+    default: one program a row is slower than XLA's sum and add plus the norm kernel at every split, H200, 2.8
+    against 1.7 us a step whole, 7.8 against 2.1 at 17 partials; dense27 decode 7.3 against 7.0 ms; receipts in
+    docs/benchmarks.md, 2026-12-04 second run)."""
+    return norm_kernel() and os.environ.get("TFJAX_ADD_NORM", "0") == "1"
 
 
 def dense_kernel() -> bool:
@@ -175,8 +177,9 @@ def row_norm(x: jax.Array, weight: jax.Array | None = None, z: jax.Array | None 
 def add_norm(x: jax.Array, parts: jax.Array, weight: jax.Array, *, kind: str, eps: float,
              rows: bool = False) -> tuple[jax.Array, jax.Array]:
     """The residual stream's step: x + the update given as partial sums parts [S, ..., D] (`qmatmul(parts=True)`),
-    and its RMSNorm; returns both. Lane-round rows take one fused launch on GPU; elsewhere the sum, the add and
-    `row_norm`, with the same arithmetic (`pallas_kernels.row_norm.add_norm_reference`)."""
+    and its RMSNorm; returns both: the sum in order and the add through XLA (one fusion that reads the partials
+    with many blocks), then `row_norm`; with `add_norm_fused()`, lane-round rows on GPU take one launch of
+    `pallas_kernels.row_norm.add_norm` instead (same arithmetic: `add_norm_reference`)."""
     from pallas_kernels import row_norm as rn
 
     d = x.shape[-1]

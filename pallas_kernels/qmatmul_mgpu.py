@@ -23,6 +23,10 @@ first (with x transposed, 16 rows). H200, 17408x5120, M=1 (docs/benchmarks.md): 
 30.8 (smem) and 31.6 (the Triton pair kernel); the pipeline's loads alone take 14.6 us (3.4 TB/s).
 Row invariance: the tile order, the split and the MMA shape come from the weight's shape; a row's products
 are its own column of every MMA; split partials are summed outside in a fixed order, elementwise.
+Out (default "rows"): the partials ``[split, M, N]`` f32, real rows only: the accumulator goes to shared memory
+transposed and TMA drops a block's rows past M; "cols" wrote ``[split, N, Mp]``, 8 columns for one row (H200, dense27
+decode 7.28 -> 6.94-7.05 ms a step; docs/benchmarks.md, 2026-12-04 eighth run). `qmatmul_parts` hands them to a
+consumer that sums them (`ops.add_norm`).
 GPU interpret mode (CPU tests) runs the same body except two register loads, which there are plain reads
 (the interpreter has no layout-annotated load), the words' reinterpretation (a bitcast and reshape there), and the
 register-operand MMA, which it computes with a dot into the output tile; `lowered_for_gpu` checks the Mosaic GPU
@@ -259,8 +263,8 @@ def qmatmul_pairs(x: jax.Array, words: jax.Array, packed: jax.Array, *, group_si
 @functools.partial(jax.jit, static_argnames=("group_size", "block_sizes", "interpret"))
 def qmatmul_parts(x: jax.Array, words: jax.Array, packed: jax.Array, *, group_size: int = GROUP,
                   block_sizes: BlockSizes | None = None, interpret: bool = False) -> jax.Array:
-    """The K split's partial products ``[split, ..., N]`` f32, for a consumer that sums them in order (the
-    residual add and norm, `ops.add_norm`: one launch fewer than summing here)."""
+    """The K split's partial products ``[split, ..., N]`` f32, for a consumer that sums them in order (the residual
+    step, `ops.add_norm`, sums them with its add in one fusion)."""
     k = x.shape[-1]
     n = words.shape[0]
     bs = block_sizes or BlockSizes.for_weight(n, k, **POLICY)

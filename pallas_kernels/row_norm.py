@@ -5,6 +5,10 @@ reduction never sees how many rows share the call; on the GPU that loop costs se
 (a decode step of the dense 27B has ~350 of them). Here one program normalises one row with the same code
 whatever M is: row-invariant by construction, one launch per norm.
 
+`add_norm` also adds a residual update given as a matmul's K-split partials before the norm (one launch for
+XLA's sum and add and the norm); measured slower on the H200 than those two launches at every split (one program
+a row reads all partials; docs/benchmarks.md, 2026-12-04 eighth run), so `ops.add_norm` takes it only when asked.
+
 Triton blocks are powers of two, so a row of D values is read as D's binary pieces (576 = 512 + 64,
 5120 = 4096 + 1024): the sum of squares adds the pieces in a fixed order, then each piece is scaled and
 written. Arithmetic mirrors the reference formulas below (f32 statistics, the casts where they cast).

@@ -41,26 +41,17 @@ def test_interpret_rows_bit_identical_whatever_m_and_neighbours():
     np.testing.assert_array_equal(f(x)[[0, 17]], alone)
 
 
-@pytest.mark.parametrize("m,split", [(1, 1), (9, 2), (70, 1)])
-def test_interpret_words_and_halves_unpack_the_same_bits(m, split):
-    """The 32-bit unpack (two weights a shift and AND-OR) feeds the MMA the halves path's operand exactly."""
+# the 32-bit unpack feeds the MMA the halves path's operand exactly; partials [split, M, N] (the accumulator
+# transposed in shared memory) hold what [split, N, Mp] held
+@pytest.mark.parametrize("field,variants", [("unpack", ("words", "halves")), ("out", ("rows", "cols"))])
+@pytest.mark.parametrize("m,split", [(1, 2), (9, 2), (70, 1)])
+def test_interpret_variants_give_the_same_bits(field, variants, m, split):
     rng = np.random.default_rng(10 + m)
     words, packed = _weights(rng, 128, 1024)
     x = jnp.asarray(rng.standard_normal((m, 1024)), jnp.bfloat16)
-    y = {u: np.asarray(mg.qmatmul_pairs(x, words, packed, block_sizes=mg.BlockSizes(split_k=split, unpack=u),
-                                        interpret=True)).view(np.uint16) for u in ("words", "halves")}
-    np.testing.assert_array_equal(y["words"], y["halves"])
-
-
-@pytest.mark.parametrize("m,split", [(1, 2), (9, 2), (70, 1)])
-def test_interpret_rows_and_columns_out_give_the_same_bits(m, split):
-    """Partials [split, M, N] (the accumulator transposed in shared memory) hold what [split, N, Mp] held."""
-    rng = np.random.default_rng(20 + m)
-    words, packed = _weights(rng, 128, 1024)
-    x = jnp.asarray(rng.standard_normal((m, 1024)), jnp.bfloat16)
-    y = {o: np.asarray(mg.qmatmul_pairs(x, words, packed, block_sizes=mg.BlockSizes(split_k=split, out=o),
-                                        interpret=True)).view(np.uint16) for o in ("rows", "cols")}
-    np.testing.assert_array_equal(y["rows"], y["cols"])
+    y = [np.asarray(mg.qmatmul_pairs(x, words, packed, block_sizes=mg.BlockSizes(split_k=split, **{field: v}),
+                                     interpret=True)).view(np.uint16) for v in variants]
+    np.testing.assert_array_equal(y[0], y[1])
 
 
 def _element(layout, shape, warp, lane, reg, v=0):

@@ -84,8 +84,8 @@ class Linear(nnx.Module):
         return y
 
     def partials(self, x: jax.Array, rows: bool = False) -> jax.Array:
-        """y as partial sums [S, ..., out] for a consumer that sums them in order (`RMSNorm.add`): the 4-bit
-        kernel's K split, so its sum rides the consumer's launch; [1, ...] when y comes whole."""
+        """y as partial sums [S, ..., out] for a consumer that sums them in order (`RMSNorm.add`: with the residual
+        add in one XLA fusion): the 4-bit kernel's K split; [1, ...] when y comes whole."""
         if self.quant is None or self.bias is not None:
             return self(x, rows)[None]
         bits, group = self.quant

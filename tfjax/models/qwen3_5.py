@@ -256,7 +256,7 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, pending, positions, valid, layer_cache, page_table, mode: Mode):
         """x: the residual stream before the previous layer's MLP update `pending` (partial sums; None for the first
         layer). Returns the stream with it (the previous layer's output), the stream before this layer's MLP update,
-        that update (partial sums: the next norm sums and adds them in its launch), the cache and the trace."""
+        that update (partial sums, summed with the add before the next norm: `RMSNorm.add`), the cache and the trace."""
         if pending is None:
             h = self.input_layernorm(x, mode.rows)
         else:

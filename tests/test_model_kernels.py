@@ -65,3 +65,34 @@ def test_whole_model_through_the_gpu_dispatch_gives_the_reference_paths_logits(m
     assert got.shape == want.shape == (1, 6, CONFIG.vocab_size)
     assert rel_err(got, want) < 2e-2  # bf16 activations, other summation orders
     assert (jnp.argmax(got, -1) == jnp.argmax(want, -1)).all()
+
+
+def test_a_lowered_step_holds_one_mosaic_kernel_per_matmul_shape():
+    """Each Mosaic matmul is a jitted call, so the lowered step holds a kernel's copy (~100 KB of text) per weight
+    shape and entry (partials or summed), not per call site: with `qmatmul_parts` unjitted (9 here, not 6),
+    dense27's 257 call sites stopped a decode step compiling within a minute on the H200."""
+    import re
+
+    import jax
+
+    from tfjax.models.layers import Linear
+
+    ops.set_kernels("kernel")
+    try:
+        model = nnx.merge(*models.random_params(CONFIG, seed=1))
+        serving_layout(model)
+        outputs = ("down_proj", "o_proj", "out_proj")  # a layer's outputs leave as partials, the rest summed
+        served = [(m.weight.shape, path[-1] in outputs) for path, m in nnx.iter_modules(model)
+                  if isinstance(m, Linear) and m.layout == "pairs"]
+        graphdef, params = models.split(model)
+        cache = model.init_cache(1, 64)
+
+        def step(params, token, pos, cache):
+            return models.forward.__wrapped__(graphdef, params, token, pos, jnp.ones_like(pos), cache, ROWS)[0]
+
+        text = jax.jit(step).trace(params, jnp.array([[3]], jnp.int32), jnp.array([4]), cache).lower(
+            lowering_platforms=("cuda",)).as_text()
+    finally:
+        ops.set_kernels("auto")
+    kernels = len(re.findall(r"custom_call @mosaic_gpu", text))
+    assert kernels == len(set(served)) < len(served), (kernels, len(set(served)), len(served))

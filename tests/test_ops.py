@@ -20,6 +20,7 @@ def kernel_dispatch():
     ops.set_kernels("kernel")
     yield
     ops.set_kernels("auto")
+    jax.clear_caches()  # no trace made with the GPU dispatch forced (and interpreted spies inside) outlives the test
 
 
 def _loop_trips(jaxpr) -> list[int]:

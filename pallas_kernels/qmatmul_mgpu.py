@@ -187,15 +187,14 @@ def _kernel(xt_gmem, w_gmem, sb_gmem, o_gmem, o_smem, *a_smem, bs: BlockSizes, t
             max_concurrent_steps=bs.stages,
             init_carry=acc,
         )(xt_gmem, w_gmem, sb_gmem)
-        if not emulated and by_rows:
-            _store_transposed(acc[...], o_smem, interpret)
-        elif not emulated:
-            o_smem[...] = acc[...]
+        if not emulated:
+            if by_rows:
+                _store_transposed(acc[...], o_smem, interpret)
+            else:
+                o_smem[...] = acc[...]
         plgpu.commit_smem()
-        if by_rows:  # a block's rows past M are dropped by TMA: only real rows are written
-            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[s, pl.ds(i * bm, bm), pl.ds(j * bn, bn)])
-        else:
-            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[s, pl.ds(j * bn, bn), pl.ds(i * bm, bm)])
+        rows_out, cols_out = pl.ds(i * bm, bm), pl.ds(j * bn, bn)  # by rows, TMA drops a block's rows past M
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[s, rows_out, cols_out] if by_rows else o_gmem.at[s, cols_out, rows_out])
         plgpu.wait_smem_to_gmem(0)
 
     pl.run_scoped(scope, plgpu.ACC((bn, bm), jnp.float32))

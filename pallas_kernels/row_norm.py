@@ -173,13 +173,19 @@ def add_norm(x: jax.Array, parts: jax.Array, weight: jax.Array, *, kind: str, ep
     )(x, parts, weight)
 
 
-def add_norm_reference(x: jax.Array, parts: jax.Array, weight: jax.Array, *, kind: str,
-                       eps: float) -> tuple[jax.Array, jax.Array]:
-    """The residual update in plain jax.numpy: parts summed in order, rounded to x's dtype, added; then the norm."""
+def add_update(x: jax.Array, parts: jax.Array) -> jax.Array:
+    """x plus an update given as partial sums parts [S, ...]: summed in order (elementwise, the same for every row),
+    rounded to x's dtype, added."""
     update = parts[0]
     for p in parts[1:]:
         update = update + p
-    nx = x + update.astype(x.dtype)
+    return x + update.astype(x.dtype)
+
+
+def add_norm_reference(x: jax.Array, parts: jax.Array, weight: jax.Array, *, kind: str,
+                       eps: float) -> tuple[jax.Array, jax.Array]:
+    """The residual update in plain jax.numpy (`add_update`), then the norm."""
+    nx = add_update(x, parts)
     return nx, reference(nx, weight, kind=kind, eps=eps)
 
 

@@ -44,7 +44,7 @@ def add_norm_fused() -> bool:
     """The residual add and the 4-bit kernel's K-split sum ride the next norm's launch (`TFJAX_ADD_NORM=1`; off by
     default: one program a row is slower than XLA's sum and add plus the norm kernel at every split, H200, 2.8
     against 1.7 us a step whole, 7.8 against 2.1 at 17 partials; dense27 decode 7.3 against 7.0 ms; receipts in
-    docs/benchmarks.md, 2026-12-04 second run)."""
+    docs/benchmarks.md, 2026-12-04 eighth run)."""
     return norm_kernel() and os.environ.get("TFJAX_ADD_NORM", "0") == "1"
 
 
@@ -186,10 +186,7 @@ def add_norm(x: jax.Array, parts: jax.Array, weight: jax.Array, *, kind: str, ep
     if rows and add_norm_fused():
         nx, y = rn.add_norm(x.reshape(-1, d), parts.reshape(parts.shape[0], -1, d), weight, kind=kind, eps=eps)
         return nx.reshape(x.shape), y.reshape(x.shape)
-    update = parts[0]
-    for p in parts[1:]:  # fixed order, elementwise
-        update = update + p
-    nx = x + update.astype(x.dtype)
+    nx = rn.add_update(x, parts)
     return nx, row_norm(nx, weight, kind=kind, eps=eps, rows=rows)
 
 

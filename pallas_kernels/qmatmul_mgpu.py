@@ -23,8 +23,6 @@ first (with x transposed, 16 rows). H200, 17408x5120, M=1 (docs/benchmarks.md): 
 30.8 (smem) and 31.6 (the Triton pair kernel); the pipeline's loads alone take 14.6 us (3.4 TB/s).
 Row invariance: the tile order, the split and the MMA shape come from the weight's shape; a row's products
 are its own column of every MMA; split partials are summed outside in a fixed order, elementwise.
-`tiles_per_step=2` (built on the CPU, not yet timed) runs two weight tiles a pipeline step, for half the per-step
-overhead (MMA waits, barriers, TMA issue: ~100 of a tile's ~340 instructions a thread in the down projection's PTX).
 Out (default "rows"): the partials ``[split, M, N]`` f32, real rows only: the accumulator goes to shared memory
 transposed and TMA drops a block's rows past M; "cols" wrote ``[split, N, Mp]``, 8 columns for one row (H200, dense27
 decode 7.28 -> 6.94-7.05 ms a step; docs/benchmarks.md, 2026-12-04 eighth run). `qmatmul_parts` hands them to a
@@ -75,24 +73,19 @@ class BlockSizes:
     # pads only past 8 rows, to a multiple of 8 (TMA's 8-row tiles); dense27 decode, H200: 161 launches a step fewer
     operand: str = "regs"  # the dequantized weights reach the MMA from registers ("smem": through shared memory)
     unpack: str = "words"  # 32-bit shift and AND-OR per two weights ("halves": 16-bit ops per weight, the older path)
-    tiles_per_step: int = 1  # weight tiles (4 groups each) a pipeline step: 2 halves the per-step MMA waits, barriers
-    # and TMA issue (~100 of a tile's ~340 instructions a thread, PTX of the down projection); built on the CPU only
     out: str = "rows"  # partials [split, M, N], real rows only (TMA drops a block's rows past M); "cols": [split, N, Mp]
     probe: str = ""  # timing probes (wrong results): "no_dequant" feeds raw weight bits to the MMA, "loads" skips the MMA too
 
     @classmethod
     def for_weight(cls, n: int, k: int, programs: int = 2176, max_split: int = 17, **kw) -> BlockSizes:
-        """Smallest split of K's tiles (a divisor, at most `max_split`, leaving whole steps of `tiles_per_step`, else
-        one tile a step) giving >= `programs` programs.
+        """Smallest split of K's tiles (a divisor, at most `max_split`) giving >= `programs` programs.
 
         17 (H200, 2026-12-04): dense27's down projection (5120x17408: 68 tiles) splits 17 ways, 1360 programs,
         not 4 ways (320): 23.1 against 27.2 us, a decode step 0.25 ms shorter with the larger f32 partials.
         2176 programs (about 16 an SM; was 1056), measured with unpack "words": gate+up 34816x5120 splits 4, not 2 (33.7
         against 35.2 us), 17408x5120 10, not 4 (18.6 against 20.3); decode 7.30 against 7.37 ms, within noise."""
-        tiles, per_step = k // TILE, kw.get("tiles_per_step", 1)
-        if tiles % per_step:  # tiles that cannot pair up: one a step
-            kw, per_step = {**kw, "tiles_per_step": 1}, 1
-        divisors = [s for s in range(1, min(tiles, max_split) + 1) if tiles % s == 0 and tiles // s % per_step == 0]
+        tiles = k // TILE
+        divisors = [s for s in range(1, min(tiles, max_split) + 1) if tiles % s == 0]
         split = next((s for s in divisors if (n // 64) * s >= programs), divisors[-1])
         return cls(split_k=split, **kw)
 
@@ -111,10 +104,7 @@ def _kernel(xt_gmem, w_gmem, sb_gmem, o_gmem, o_smem, *a_smem, bs: BlockSizes, t
     # previous group's MMA
     j, i, s = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("k")
     bn, bm = bs.block_n, bs.block_m
-    per_step = bs.tiles_per_step
-    steps = tiles // per_step  # pipeline steps a program
-    step = TILE * per_step  # inputs a step
-    first = s * steps
+    first = s * tiles
     emulated = interpret and bs.operand == "regs"  # the interpreter computes the register-operand MMA with a dot
     words = bs.unpack == "words"
     by_rows = bs.out == "rows"
@@ -129,15 +119,13 @@ def _kernel(xt_gmem, w_gmem, sb_gmem, o_gmem, o_smem, *a_smem, bs: BlockSizes, t
     def body(_, xt_smem, w_smem, sb_smem, acc):
         if bs.probe == "loads":
             return acc
-        for g in range(4 * per_step):  # the step's groups: group f of its tile h
-            h, f = divmod(g, 4)
-            if f == 0:  # uint32 [bn, 32] or uint16 [bn, 64]: one tile's 128-byte rows
-                v = read(w_smem.at[:, pl.ds(h * w_cols, w_cols)], WORDS_LAYOUT if words else plgpu.Layout.WGMMA)
-            # slot g % 2 last fed group g - 2's MMA: let it finish (group g - 1's may still run); with the register
-            # operand, waiting only at the step's end measured the same on the H200
-            if g >= 2:
+        v = read(w_smem, WORDS_LAYOUT if words else plgpu.Layout.WGMMA)  # uint32 [bn, 32] or uint16 [bn, 64]
+        for f in range(4):
+            # slot f % 2 last fed group f - 2's MMA: let it finish (group f - 1's may still run); with the register
+            # operand, waiting only at the tile's end measured the same on the H200
+            if f >= 2:
                 plgpu.wgmma_wait(1)
-            sb = read(sb_smem.at[g], plgpu.Layout.WGMMA.reduce(1))  # uint32 [bn]: scale low, bias high
+            sb = read(sb_smem.at[f], plgpu.Layout.WGMMA.reduce(1))  # uint32 [bn]: scale low, bias high
             scale, bias = bf16_half(sb, 0), bf16_half(sb, 16)
             if words:  # two bf16 halves 128 + q of a word per shift and AND-OR, exact
                 q = _pairs_as_bf16((v >> jnp.uint32(4 * f) if f else v) & jnp.uint32(0x000F000F)
@@ -150,26 +138,26 @@ def _kernel(xt_gmem, w_gmem, sb_gmem, o_gmem, o_smem, *a_smem, bs: BlockSizes, t
             else:  # q exactly, then one product and one sum in bf16 (folding -128 s into b loses q * s to rounding)
                 a = (q - jnp.asarray(128, jnp.bfloat16)) * rows(scale) + rows(bias)
             if bs.operand == "regs":  # the MMA reads the group from registers: no shared-memory round trip
-                xg = xt_smem.at[:, pl.ds(g * GROUP, GROUP)]
+                xg = xt_smem.at[:, pl.ds(f * GROUP, GROUP)]
                 if emulated:  # the interpreter's MMA takes no register operand: the same product, into o_smem
                     prod = jnp.dot(a, xg[...].T, preferred_element_type=jnp.float32)
                     o_smem[...] += prod.T if by_rows else prod
                 else:
                     plgpu.wgmma(acc, a, plgpu.transpose_ref(xg, (1, 0)))
                 continue
-            a_smem[0].at[g % 2][...] = a
+            a_smem[0].at[f % 2][...] = a
             plgpu.commit_smem()
-            plgpu.wgmma(acc, a_smem[0].at[g % 2], xt_smem.at[pl.ds(g * GROUP, GROUP), :])
+            plgpu.wgmma(acc, a_smem[0].at[f % 2], xt_smem.at[pl.ds(f * GROUP, GROUP), :])
         # the pipeline refills this step's buffers once the body returns (letting the MMAs run on into the next
         # step, x released a step late, measured slower on the H200: 24.9 against 23.7 us at 17408x5120)
         plgpu.wgmma_wait(0)
         return acc
 
-    if bs.operand == "regs":  # x [block_m, step] K-major, 128-byte rows: transposed, the MMA's right operand
-        x_spec = plgpu.BlockSpec((bm, step), lambda t: (i, first + t),
+    if bs.operand == "regs":  # x [block_m, TILE] K-major, 128-byte rows: transposed, the MMA's right operand
+        x_spec = plgpu.BlockSpec((bm, TILE), lambda t: (i, first + t),
                                  transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
     else:
-        x_spec = plgpu.BlockSpec((step, bm), lambda t: (first + t, i),
+        x_spec = plgpu.BlockSpec((TILE, bm), lambda t: (first + t, i),
                                  transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32)))
 
     def scope(acc):
@@ -177,12 +165,12 @@ def _kernel(xt_gmem, w_gmem, sb_gmem, o_gmem, o_smem, *a_smem, bs: BlockSizes, t
             o_smem[...] = jnp.zeros_like(o_smem)
         plgpu.emit_pipeline(
             body,
-            grid=(steps,),
+            grid=(tiles,),
             in_specs=[
                 x_spec,
-                plgpu.BlockSpec((bn, w_cols * per_step), lambda t: (j, first + t),
+                plgpu.BlockSpec((bn, w_cols), lambda t: (j, first + t),
                                 transforms=(plgpu.TilingTransform((8, w_cols)), plgpu.SwizzleTransform(128))),
-                plgpu.BlockSpec((4 * per_step, bn), lambda t: (first + t, j)),
+                plgpu.BlockSpec((4, bn), lambda t: (first + t, j)),
             ],
             max_concurrent_steps=bs.stages,
             init_carry=acc,
@@ -256,9 +244,8 @@ def _check(x, words, packed, group_size, bs: BlockSizes):
         raise ValueError(f"unknown probe {bs.probe!r}, operand {bs.operand!r}, unpack {bs.unpack!r} or out {bs.out!r}")
     if bs.operand == "regs" and (bs.block_m % 8 or bs.block_m > 256) or bs.operand == "smem" and bs.block_m != 16:
         raise ValueError(f"operand {bs.operand!r} cannot take block_m={bs.block_m} (regs: 8-row tiles; smem: 16)")
-    if n % bs.block_n or k % (TILE * bs.split_k * bs.tiles_per_step):
-        raise ValueError(f"N={n} must be a multiple of {bs.block_n} and K={k} of {TILE}*split {bs.split_k}*tiles a "
-                         f"step {bs.tiles_per_step}")
+    if n % bs.block_n or k % (TILE * bs.split_k):
+        raise ValueError(f"N={n} must be a multiple of {bs.block_n} and K={k} of {TILE}*split {bs.split_k}")
 
 
 @functools.partial(jax.jit, static_argnames=("group_size", "block_sizes", "interpret"))

@@ -298,9 +298,10 @@ def attention_section(sweep: bool | str):
     h, g, e = 24, 4, 256
     best = pa.DEFAULT
     if sweep == "chunks":  # chunk policies (from the lane's span) at every context: best geometric mean of fractions
-        cands = [pa.BlockSizes(chunk_programs=0), pa.BlockSizes(chunk_programs=264), pa.BlockSizes(chunk_programs=528),
-                 pa.BlockSizes(chunk_programs=1056), pa.BlockSizes(block_q=64, chunk_programs=528),
-                 pa.BlockSizes(block_k=32, num_stages=3, chunk_programs=528)]
+        cands = [pa.BlockSizes(), pa.BlockSizes(num_warps=8), pa.BlockSizes(chunk_programs=528),
+                 pa.BlockSizes(chunk_programs=528, num_warps=8), pa.BlockSizes(chunk_programs=1056, num_warps=8),
+                 pa.BlockSizes(q_blocks=1), pa.BlockSizes(q_blocks=1, num_warps=8),
+                 pa.BlockSizes(block_k=32, num_stages=3), pa.BlockSizes(block_q=64), pa.BlockSizes(block_q=64, num_warps=8)]
         logs = {}
         for ctx in (2048, 16384, 65536):
             kvb = 2 * ctx * g * e * 2
@@ -333,7 +334,7 @@ def attention_section(sweep: bool | str):
         for bq, bk, ck, nw, ns in [(16, 64, 512, 4, 2), (16, 32, 256, 4, 3), (16, 64, 1024, 4, 2),
                                    (64, 64, 512, 4, 2), (64, 32, 512, 4, 3), (32, 64, 512, 4, 3),
                                    (16, 128, 1024, 8, 2), (64, 64, 1024, 8, 2)]:
-            bs = pa.BlockSizes(bq, bk, ck, nw, ns)
+            bs = pa.BlockSizes(block_q=bq, block_k=bk, chunk_k=ck, num_warps=nw, num_stages=ns, chunk_programs=0)
             f = lambda q, kp, vp, pt, pos, bs=bs: pa.paged_attention(q, kp, vp, pt, pos, block_sizes=bs)
             timed = checked_time(f"attn sweep {bs}", f, [(q, *s, pos) for s in sets], ref)
             if timed is None:

@@ -87,7 +87,8 @@ def main():
     ap.add_argument("--rows", default="1", help="rows of x for the Mosaic GPU kernel, e.g. 1,16,64")
     ap.add_argument("--unpack", default="", help="the Mosaic GPU kernel's unpacks to time, e.g. words,halves")
     ap.add_argument("--outs", default="", help="the Mosaic GPU kernel's partial layouts to time, e.g. rows,cols")
-    ap.add_argument("--tiles-per-step", default="", help="the Mosaic GPU kernel's pipeline steps to time, e.g. 1,2")
+    ap.add_argument("--splits", default="", help="the Mosaic GPU kernel's K splits to time (any divisor of K's tiles), "
+                    "e.g. 12,24,48")
     ap.add_argument("--block-m-check", action="store_true", help="are a row's bits the same for every block_m?")
     a = ap.parse_args()
     print(jax.devices()[0].device_kind, jax.__version__, flush=True)
@@ -126,14 +127,15 @@ def main():
                 configs = [dataclasses.replace(bs, unpack=u) for bs in configs for u in a.unpack.split(",")]
             if a.outs:
                 configs = [dataclasses.replace(bs, out=o) for bs in configs for o in a.outs.split(",")]
-            if a.tiles_per_step:  # the split from the weight's shape for each (a program's tiles must pair up)
-                configs = [dataclasses.replace(mg.BlockSizes.for_weight(n, k, tiles_per_step=int(t)), unpack=bs.unpack,
-                                               out=bs.out) for bs in configs for t in a.tiles_per_step.split(",")]
+            if a.splits:
+                tiles = k // mg.TILE
+                configs = [dataclasses.replace(bs, split_k=int(sp)) for bs in configs for sp in a.splits.split(",")
+                           if tiles % int(sp) == 0]
             for m, bs in itertools.product(map(int, a.rows.split(",")), configs):
                 xm = jax.random.normal(jax.random.key(3), (m, k), jnp.bfloat16)
                 t = time.perf_counter()
                 label = (f"mgpu {shape} M={m} {bs.operand} m{bs.block_m or 'rows'} split {bs.split_k} programs "
-                         f"{n // 64 * bs.split_k} stages {bs.stages} {bs.unpack} out {bs.out} tiles/step {bs.tiles_per_step} {bs.probe}")
+                         f"{n // 64 * bs.split_k} stages {bs.stages} {bs.unpack} out {bs.out} {bs.probe}")
                 f = functools.partial(mg.qmatmul_pairs, xm, block_sizes=bs)
                 if not a.ncu and not bs.probe:
                     ref_m = ref if m == 1 else qm.reference(xm, *quant.from_pair_layout(*sets[0]), bits=4, group_size=64)

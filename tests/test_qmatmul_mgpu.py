@@ -42,9 +42,8 @@ def test_interpret_rows_bit_identical_whatever_m_and_neighbours():
 
 
 # the 32-bit unpack feeds the MMA the halves path's operand exactly; partials [split, M, N] (the accumulator
-# transposed in shared memory) hold what [split, N, Mp] held; two tiles a pipeline step chain the same MMAs
-@pytest.mark.parametrize("field,variants", [("unpack", ("words", "halves")), ("out", ("rows", "cols")),
-                                            ("tiles_per_step", (1, 2))])
+# transposed in shared memory) hold what [split, N, Mp] held
+@pytest.mark.parametrize("field,variants", [("unpack", ("words", "halves")), ("out", ("rows", "cols"))])
 @pytest.mark.parametrize("m,split", [(1, 2), (9, 2), (70, 1)])
 def test_interpret_variants_give_the_same_bits(field, variants, m, split):
     rng = np.random.default_rng(10 + m)
@@ -91,9 +90,7 @@ def test_words_layout_puts_each_word_where_the_operand_keeps_its_two_inputs():
                                     (17408, 5120, dict(stages=3, probe="no_dequant")),
                                     (17408, 5120, dict(operand="smem", block_m=16)), (5120, 17408, dict(block_m=16)),
                                     (17408, 5120, dict(block_m=64)), (17408, 5120, dict(pad_rows=True)),
-                                    (5120, 17408, dict(out="cols")), (34816, 5120, dict(tiles_per_step=2)),
-                                    (17408, 5120, dict(tiles_per_step=2, operand="smem", block_m=16)),
-                                    (5120, 17408, dict(tiles_per_step=2, unpack="halves"))])
+                                    (5120, 17408, dict(out="cols"))])
 def test_lowers_to_mosaic_gpu_for_the_dense27_mlp_without_a_gpu(n, k, kw):
     text = mg.lowered_for_gpu(n, k, m=3, block_sizes=mg.BlockSizes.for_weight(n, k, **kw))
     assert "mosaic_gpu" in text
@@ -120,10 +117,6 @@ def test_split_comes_from_the_weight_shape_and_divides_its_tiles():
     splits = {(n, k): mg.BlockSizes.for_weight(n, k).split_k
               for n, k in [(5120, 17408), (5120, 6144), (17408, 5120), (34816, 5120), (248320, 5120)]}
     assert splits == {(5120, 17408): 17, (5120, 6144): 12, (17408, 5120): 10, (34816, 5120): 4, (248320, 5120): 1}
-    # two tiles a step: a program's tiles must pair up, so gate+up (20 tiles) splits 5 ways, not 4
-    two = {(n, k): mg.BlockSizes.for_weight(n, k, tiles_per_step=2).split_k for n, k in splits}
-    assert two == {(5120, 17408): 17, (5120, 6144): 12, (17408, 5120): 10, (34816, 5120): 5, (248320, 5120): 1}
-    assert mg.BlockSizes.for_weight(64, 11 * mg.TILE, tiles_per_step=2).tiles_per_step == 1  # 11 tiles: no pairs
 
 
 def test_bad_inputs_raise_naming_the_value():
@@ -142,16 +135,13 @@ def test_bad_inputs_raise_naming_the_value():
         mg.qmatmul_pairs(x, words, packed, block_sizes=mg.BlockSizes(unpack="nibbles"), interpret=True)
     with pytest.raises(ValueError, match="out 'both'"):
         mg.qmatmul_pairs(x, words, packed, block_sizes=mg.BlockSizes(out="both"), interpret=True)
-    with pytest.raises(ValueError, match="tiles a step 2"):
-        mg.qmatmul_pairs(x, words, packed, block_sizes=mg.BlockSizes(split_k=2, tiles_per_step=2), interpret=True)
     with pytest.raises(ValueError, match="K=256"):
         mg.qmatmul_pairs(x[:, :256], words, packed, interpret=True)
 
 
 GPU_VARIANTS = [mg.BlockSizes(operand="smem", block_m=16), mg.BlockSizes(), mg.BlockSizes(block_m=16, stages=3),
-                mg.BlockSizes(pad_rows=True), mg.BlockSizes(unpack="halves"), mg.BlockSizes(out="cols"),
-                mg.BlockSizes(tiles_per_step=2)]
-GPU_IDS = ["smem", "regs-rows-tma-fill", "regs-m16", "padded-rows", "halves", "out-cols", "two-tiles-a-step"]
+                mg.BlockSizes(pad_rows=True), mg.BlockSizes(unpack="halves"), mg.BlockSizes(out="cols")]
+GPU_IDS = ["smem", "regs-rows-tma-fill", "regs-m16", "padded-rows", "halves", "out-cols"]
 
 
 @pytest.mark.gpu
@@ -189,20 +179,6 @@ def test_gpu_words_unpack_bit_identical_to_halves(n, k, m):
     y = {u: np.asarray(mg.qmatmul_pairs(x, words, packed, block_sizes=mg.BlockSizes.for_weight(n, k, unpack=u)))
          for u in ("words", "halves")}
     np.testing.assert_array_equal(y["words"].view(np.uint16), y["halves"].view(np.uint16))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n,k", [(5120, 17408), (34816, 5120)])
-@pytest.mark.parametrize("m", [1, 33])
-def test_gpu_two_tiles_a_step_bit_identical_to_one(n, k, m):
-    """Two weight tiles a pipeline step feed the one MMA chain the same groups in the same order: same bits."""
-    rng = np.random.default_rng(40 + m)
-    words, packed = _weights(rng, n, k)
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    split = mg.BlockSizes.for_weight(n, k, tiles_per_step=2).split_k  # one split for both: same partials
-    y = [np.asarray(mg.qmatmul_pairs(x, words, packed, block_sizes=mg.BlockSizes(split_k=split, tiles_per_step=t)))
-         for t in (1, 2)]
-    np.testing.assert_array_equal(y[0].view(np.uint16), y[1].view(np.uint16))
 
 
 @pytest.mark.gpu

@@ -35,11 +35,14 @@ NEG = -1e30  # finite "minus infinity" for the running max, so dead rows never c
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    block_q: int = 16  # query rows (row, head) a block: the dots' M, fixed so every row runs the same instructions
-    q_blocks: int = 4  # blocks at most a program (one read of a key tile serves them): 8 verify rows of 6 heads = 3
+    # query rows (row, head) a block: the dots' M, fixed so every row runs the same instructions. 64 (H200, 2026-12-04,
+    # 8 warps): a width-8 round's 48 rows (8 rows x 6 heads) in one block, 8 rows at 64k 251 -> 156 us, 16k 85 -> 61;
+    # one row pays the 64-row block (64k 108 -> 158 us), and lane rounds always verify `width` rows
+    block_q: int = 64
+    q_blocks: int = 4  # blocks at most a program (one read of a key tile serves them)
     block_k: int = 64  # keys per tile; a multiple of the page size
     chunk_k: int = 512  # keys per program; a multiple of block_k
-    num_warps: int = 4
+    num_warps: int = 8
     num_stages: int = 2
     # > 0: chunk_k is instead the fewest keys (block_k times a power of 2) that keep chunks x KV heads at or under
     # this many programs, from the lane's span (its page table's width) and the KV heads alone, never from the

@@ -549,7 +549,7 @@ def flash_section():
 
 
 # --- dense27 decode ---
-def decode_section(steps=20, context=2048, layers=0, modes=("reference", "kernel")):
+def decode_section(steps=20, context=2048, layers=0, modes=("reference", "kernel"), rows=1):
     import functools
 
     import jax
@@ -563,6 +563,7 @@ def decode_section(steps=20, context=2048, layers=0, modes=("reference", "kernel
     from tfjax.models.qwen3_5 import DeltaState
 
     bw = RESULTS["copy_GBps"] * 1e9
+    unit = "tok/s" if rows == 1 else "rounds/s"  # a round of `rows` verify rows keeps one token or more
     config = geometry.named("dense27").replace(quantization=QuantConfig(4, 64))
     if layers:
         config = config.replace(num_hidden_layers=layers, layer_types=config.layer_types[:layers])
@@ -589,10 +590,11 @@ def decode_section(steps=20, context=2048, layers=0, modes=("reference", "kernel
 
         @functools.partial(jax.jit, donate_argnames=("cache",))
         def step(ps, token, pos, cache, gd=gd):
-            logits, cache, _ = models.forward.__wrapped__(gd, ps, token, pos, jnp.ones_like(pos), cache, ROWS_MODE)
-            return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None], cache, logits[:, -1]
+            logits, cache, _ = models.forward.__wrapped__(gd, ps, token, pos, jnp.full_like(pos, rows), cache,
+                                                          ROWS_MODE)
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache, logits[:, -1]  # each row's argmax: [1, rows]
 
-        token = jnp.array([[11]], jnp.int32)
+        token = jnp.full((1, rows), 11, jnp.int32)  # rows > 1: a verify round's shape, one position accepted a step
         t0 = time.perf_counter()
         token, cache, first[mode] = step(ps, token, jnp.array([context], jnp.int32), cache)
         token.block_until_ready()
@@ -619,12 +621,13 @@ def decode_section(steps=20, context=2048, layers=0, modes=("reference", "kernel
             batches.append((time.perf_counter() - t) / steps)
         pipelined = float(np.median(batches))
         print(f"  {mode}: synced step {med * 1e3:.2f} ms, pipelined step {pipelined * 1e3:.2f} ms "
-              f"({1 / pipelined:.1f} tok/s; batches {', '.join(f'{b * 1e3:.2f}' for b in batches)} ms)", flush=True)
+              f"({1 / pipelined:.1f} {unit}; batches {', '.join(f'{b * 1e3:.2f}' for b in batches)} ms)", flush=True)
         if os.environ.get("BENCH_PROFILE"):  # where a step goes: device kernels from a profiler trace
             token, cache = profile_steps(step, ps, token, cache, context + 1 + 4 * steps, f"{mode} decode step")
         RESULTS[f"decode_{mode}"] = dict(tok_s=1 / med, ms=med * 1e3, pipelined_ms=pipelined * 1e3,
                                          compile_s=compile_s, tokens=seq, step_GB=step_bytes / 1e9)
-        row("decode", f"dense27 4-bit 1 lane ctx {context}, {mode} ({1 / med:.1f} tok/s; compile {compile_s:.0f} s;"
+        shape = f"1 lane x {rows} rows" if rows > 1 else "1 lane"
+        row("decode", f"dense27 4-bit {shape} ctx {context}, {mode} ({1 / med:.1f} {unit}; compile {compile_s:.0f} s;"
             f" {step_bytes / 1e9:.2f} GB/step)", med, step_bytes / med / 1e9, bw / 1e9, "GB/s")
         del ps, cache, model
     if len(tokens) < 2:
@@ -715,6 +718,8 @@ def main():
     ap.add_argument("--qsweep", choices=["tiles", "unpack", "options"], default="tiles",
                     help="with --sweep: the qmatmul candidates (tile shapes, the unpack variants, or the pair "
                     "kernel's options)")
+    ap.add_argument("--decode-rows", type=int, default=1, help="decode: rows a step (8: a width-8 lane round's "
+                    "verify shape, the engine's default)")
     ap.add_argument("--layers", type=int, default=0, help="decode: truncate the layer count (0 = all 64)")
     ap.add_argument("--decode-modes", default="reference,kernel", help="decode: the paths to time")
     ap.add_argument("--pairs-policy", default="", help="decode: keywords replacing the pair layout's dispatch tiles, "
@@ -770,7 +775,7 @@ def main():
                     if "prompt" not in sections:  # prompt runs it too
                         flash_section()
                 else:
-                    decode_section(layers=a.layers, modes=tuple(a.decode_modes.split(",")))
+                    decode_section(layers=a.layers, modes=tuple(a.decode_modes.split(",")), rows=a.decode_rows)
             except Exception as e:  # one failing section must not lose the others' numbers
                 import traceback
 

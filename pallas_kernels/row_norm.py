@@ -5,9 +5,9 @@ reduction never sees how many rows share the call; on the GPU that loop costs se
 (a decode step of the dense 27B has ~350 of them). Here one program normalises one row with the same code
 whatever M is: row-invariant by construction, one launch per norm.
 
-`add_norm` also adds a residual update given as a matmul's K-split partials before the norm (one launch for
-XLA's sum and add and the norm); measured slower on the H200 than those two launches at every split (one program
-a row reads all partials; docs/benchmarks.md, 2026-12-04 eighth run), so `ops.add_norm` takes it only when asked.
+A fused residual step (the matmul's K-split partials summed, added and normalised in this kernel's launch) was
+measured slower on the H200 than XLA's sum and add plus this kernel at every split (one program a row reads all
+partials on one SM; docs/benchmarks.md, 2026-12-04 eighth run) and removed; `add_update` is that sum and add.
 
 Triton blocks are powers of two, so a row of D values is read as D's binary pieces (576 = 512 + 64,
 5120 = 4096 + 1024): the sum of squares adds the pieces in a fixed order, then each piece is scaled and
@@ -92,23 +92,6 @@ def _row_norm_kernel(*refs, kind: str, eps: float, d: int):
         o_ref[pl.ds(off, size)] = y
 
 
-def _add_norm_kernel(x_ref, p_ref, w_ref, nx_ref, o_ref, *, kind: str, eps: float, d: int, splits: int):
-    # x_ref [D] the residual row; p_ref [S, D] the update's partial sums; w_ref [D]; nx_ref [D] the residual plus the
-    # update (summed in order in p's dtype, rounded to x's, then added), o_ref [D] its norm
-    parts = pieces(d)
-    xs = [x_ref[pl.ds(off, size)] for off, size in parts]
-    ws = [w_ref[pl.ds(off, size)] for off, size in parts]
-    ups = [p_ref[0, pl.ds(off, size)] for off, size in parts]
-    for s in range(1, splits):
-        ups = [u + p_ref[s, pl.ds(off, size)] for u, (off, size) in zip(ups, parts, strict=True)]
-    nxs = [(x.astype(jnp.float32) + u.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)
-           for x, u in zip(xs, ups, strict=True)]
-    ys = _normalised(nxs, ws, [None] * len(parts), kind=kind, eps=eps, d=d, dtype=o_ref.dtype)
-    for (off, size), nx, y in zip(parts, nxs, ys, strict=True):
-        nx_ref[pl.ds(off, size)] = nx
-        o_ref[pl.ds(off, size)] = y
-
-
 def _check(x, weight, z, kind):
     if kind not in KINDS:
         raise ValueError(f"{kind=} must be one of {KINDS}")
@@ -146,33 +129,6 @@ def row_norm(x: jax.Array, weight: jax.Array | None = None, z: jax.Array | None 
     )(*args)
 
 
-ADD_KINDS = ("rms", "rms_offset")  # the residual stream's norms
-
-
-@functools.partial(jax.jit, static_argnames=("kind", "eps", "block_sizes", "interpret"))
-def add_norm(x: jax.Array, parts: jax.Array, weight: jax.Array, *, kind: str, eps: float,
-             block_sizes: BlockSizes = BlockSizes(), interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """x [M, D] plus an update given as S partial sums parts [S, M, D] (a matmul's K split), and that sum's norm:
-    one launch where XLA's sum and add and the norm kernel took two (see `add_norm_reference`)."""
-    if kind not in ADD_KINDS:
-        raise ValueError(f"{kind=} must be one of {ADD_KINDS}")
-    _check(x, weight, None, kind)
-    m, d = x.shape
-    if parts.ndim != 3 or parts.shape[1:] != x.shape:
-        raise ValueError(f"want partial sums [S, M, D] for x {x.shape}, got {parts.shape=}")
-    row = pl.BlockSpec((None, d), lambda i: (i, 0))
-    return pl.pallas_call(
-        functools.partial(_add_norm_kernel, kind=kind, eps=float(eps), d=d, splits=parts.shape[0]),
-        grid=(m,),
-        in_specs=[row, pl.BlockSpec((parts.shape[0], None, d), lambda i: (0, i, 0)), pl.BlockSpec((d,), lambda i: (0,))],
-        out_specs=[row, row],
-        out_shape=[jax.ShapeDtypeStruct((m, d), x.dtype)] * 2,
-        compiler_params=plgpu.CompilerParams(num_warps=block_sizes.warps(d), num_stages=1),
-        interpret=interpret,
-        name=f"add_norm_{kind}",
-    )(x, parts, weight)
-
-
 def add_update(x: jax.Array, parts: jax.Array) -> jax.Array:
     """x plus an update given as partial sums parts [S, ...]: summed in order (elementwise, the same for every row),
     rounded to x's dtype, added."""
@@ -180,13 +136,6 @@ def add_update(x: jax.Array, parts: jax.Array) -> jax.Array:
     for p in parts[1:]:
         update = update + p
     return x + update.astype(x.dtype)
-
-
-def add_norm_reference(x: jax.Array, parts: jax.Array, weight: jax.Array, *, kind: str,
-                       eps: float) -> tuple[jax.Array, jax.Array]:
-    """The residual update in plain jax.numpy (`add_update`), then the norm."""
-    nx = add_update(x, parts)
-    return nx, reference(nx, weight, kind=kind, eps=eps)
 
 
 def reference(x: jax.Array, weight: jax.Array | None = None, z: jax.Array | None = None, *, kind: str,

@@ -75,19 +75,15 @@ def test_packed_pair_linears_take_the_mosaic_kernel_for_whole_column_blocks(kern
     assert rel_err(got, quant.qmatmul_reference(x, jnp.asarray(w), s, b, 4, 64)) < 1e-2
 
 
-@pytest.mark.parametrize("fused", ["0", "1"], ids=["xla-sum", "fused"])
-def test_partials_of_a_mosaic_linear_summed_by_the_norm_give_the_unfused_residual(kernel_dispatch, monkeypatch,
-                                                                                   fused):
+def test_partials_of_a_mosaic_linear_summed_by_the_norm_give_the_unfused_residual(kernel_dispatch, monkeypatch):
     """`Linear.partials` hands the Mosaic kernel's K-split partials to `RMSNorm.add` (XLA's sum and add, then the
-    norm kernel; or one launch with `TFJAX_ADD_NORM=1`): the residual comes out with the bits of `x + linear(h)`,
-    the norm within one bf16 rounding of its norm."""
+    norm kernel): the residual comes out with the bits of `x + linear(h)`, the norm within one bf16 rounding of its
+    norm."""
     from pallas_kernels import row_norm as rn
 
     monkeypatch.setenv("TFJAX_QMATMUL_MGPU", "1")
-    monkeypatch.setenv("TFJAX_ADD_NORM", fused)
     calls = {"parts": spy_interpreted(monkeypatch, mg, "qmatmul_parts", lambda a, kw: a[0].shape),
              "pairs": spy_interpreted(monkeypatch, mg, "qmatmul_pairs", lambda a, kw: a[0].shape),
-             "add_norm": spy_interpreted(monkeypatch, rn, "add_norm", lambda a, kw: a[1].shape),
              "norm": spy_interpreted(monkeypatch, rn, "row_norm", lambda a, kw: a[0].shape)}
     monkeypatch.setattr(mg, "POLICY", dict(max_split=2, programs=10**6))  # 1024 inputs: 4 tiles, split 2
     rng = np.random.default_rng(21)
@@ -103,7 +99,6 @@ def test_partials_of_a_mosaic_linear_summed_by_the_norm_give_the_unfused_residua
     parts = lin.partials(h, rows=True)
     assert parts.shape == (2, 2, 1, 128) and parts.dtype == jnp.float32 and calls["parts"] == [(2, 1, 1024)]
     nx, y = norm.add(x, parts, rows=True)
-    assert calls["add_norm"] == ([(2, 2, 128)] if fused == "1" else [])
     want_nx = x + lin(h, rows=True)
     np.testing.assert_array_equal(np.asarray(nx, np.float32), np.asarray(want_nx, np.float32))
-    assert rel_err(y, norm(want_nx, rows=True)) < 1e-2 and len(calls["norm"]) == (1 if fused == "1" else 2)
+    assert rel_err(y, norm(want_nx, rows=True)) < 1e-2 and len(calls["norm"]) == 2

@@ -40,14 +40,6 @@ def norm_kernel() -> bool:
     return use_kernels() and os.environ.get("TFJAX_NORM_KERNEL", "1") != "0"
 
 
-def add_norm_fused() -> bool:
-    """The residual add and the 4-bit kernel's K-split sum ride the next norm's launch (`TFJAX_ADD_NORM=1`; off by
-    default: one program a row is slower than XLA's sum and add plus the norm kernel at every split, H200, 2.8
-    against 1.7 us a step whole, 7.8 against 2.1 at 17 partials; dense27 decode 7.3 against 7.0 ms; receipts in
-    docs/benchmarks.md, 2026-12-04 eighth run)."""
-    return norm_kernel() and os.environ.get("TFJAX_ADD_NORM", "0") == "1"
-
-
 def dense_kernel() -> bool:
     """Lane-round rows of dense (unquantized) weights through the fixed-tile Pallas matmul on GPU (default;
     `TFJAX_DENSE_KERNEL=0` keeps the 64-row tile loop)."""
@@ -178,14 +170,9 @@ def add_norm(x: jax.Array, parts: jax.Array, weight: jax.Array, *, kind: str, ep
              rows: bool = False) -> tuple[jax.Array, jax.Array]:
     """The residual stream's step: x + the update given as partial sums parts [S, ..., D] (`qmatmul(parts=True)`),
     and its RMSNorm; returns both: the sum in order and the add through XLA (one fusion that reads the partials
-    with many blocks), then `row_norm`; with `add_norm_fused()`, lane-round rows on GPU take one launch of
-    `pallas_kernels.row_norm.add_norm` instead (same arithmetic: `add_norm_reference`)."""
+    with many blocks), then `row_norm`."""
     from pallas_kernels import row_norm as rn
 
-    d = x.shape[-1]
-    if rows and add_norm_fused():
-        nx, y = rn.add_norm(x.reshape(-1, d), parts.reshape(parts.shape[0], -1, d), weight, kind=kind, eps=eps)
-        return nx.reshape(x.shape), y.reshape(x.shape)
     nx = rn.add_update(x, parts)
     return nx, row_norm(nx, weight, kind=kind, eps=eps, rows=rows)
 

@@ -49,6 +49,7 @@ class BlockSizes:
     # rows or the lanes in a call, so row invariance holds: short contexts get many small chunks to fill the GPU.
     # 264 won the H200 sweep at 2k/16k/64k (2k decode 77 -> 35 us, 64k 251 -> 198 us); 0 keeps chunk_k
     chunk_programs: int = 264
+    probe: str = ""  # timing probe (wrong results): "loads" reads every key tile as the kernel does, no dots or softmax
 
     def chunk_for(self, span: int, kv_heads: int) -> int:
         """Keys per program for a lane span of `span` keys."""
@@ -69,7 +70,7 @@ DEFAULT = BlockSizes()  # what a call without block_sizes takes (benchmarks A/B 
 
 
 def _paged_kernel(q_ref, pos_ref, pt_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, page, block_k, chunk_k, scale,
-                  blocks):
+                  blocks, probe):
     # q_ref [blocks * bq, E]; pos_ref [blocks * bq] i32 (-1 marks a padding row); pt_ref [n_pad] i32;
     # k_ref, v_ref [P, page, E]; o_ref [blocks * bq, E] f32 (unnormalised); m_ref, l_ref [blocks * bq] f32
     e = q_ref.shape[1]
@@ -102,6 +103,9 @@ def _paged_kernel(q_ref, pos_ref, pt_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, 
         # keys past every row hold whatever their pages hold (a lane's unallocated tail): never let a NaN
         # there reach a row through 0 * NaN in the p @ v product (a row's p is 0 past its position: 0 * v = 0)
         v = jnp.where((keys <= last)[:, None], v_ref[pids].reshape(block_k, e), 0)
+        if probe == "loads":  # the tile's reads kept alive by a column sum, nothing else
+            kv = jnp.sum(k.astype(jnp.float32) + v.astype(jnp.float32), axis=0)
+            return tuple((acc + kv[None, :], m, l) for acc, m, l in carry)
         return tuple(update(q_ref[r, :], pos_ref[r], k, v, k0, keys, c) for r, c in zip(rows, carry, strict=True))
 
     init = (jnp.zeros((bq, e), jnp.float32), jnp.full((bq,), NEG, jnp.float32), jnp.zeros((bq,), jnp.float32))
@@ -151,6 +155,8 @@ def _check(q, k_pages, v_pages, page_table, positions, bs: BlockSizes):
             raise ValueError(f"{name}={v} must be a power of 2 >= 16")
     if bs.q_blocks < 1:
         raise ValueError(f"q_blocks={bs.q_blocks} must be >= 1")
+    if bs.probe not in ("", "loads"):
+        raise ValueError(f"unknown probe {bs.probe!r}")
     if bs.block_k % page or bs.chunk_k % bs.block_k:
         raise ValueError(f"block_k={bs.block_k} must be a multiple of {page=}, chunk_k={bs.chunk_k} of block_k")
 
@@ -189,7 +195,7 @@ def paged_attention(
     qb = rows_pad // group
     p_total = k_pages.shape[0]
     kernel = functools.partial(_paged_kernel, page=page, block_k=bs.block_k, chunk_k=chunk_k, scale=e**-0.5,
-                               blocks=blocks)
+                               blocks=blocks, probe=bs.probe)
     o, m, l = pl.pallas_call(
         kernel,
         grid=(qb, chunks, g, b),  # query groups fastest: they share a chunk's keys in L2

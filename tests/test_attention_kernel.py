@@ -98,10 +98,13 @@ def test_interpret_blocks_sharing_a_program_match_reference_and_each_row_alone(t
         np.testing.assert_array_equal(f(q[:, i : i + 1], pos[:, i : i + 1])[:, 0], full[:, i], err_msg=f"row {i}")
 
 
-def test_lowers_to_triton_for_cuda_with_blocks_sharing_a_program():
+# the default (8 rows x 6 heads in one 64-row block), 16-row blocks sharing a program, and the loads-only probe
+@pytest.mark.parametrize("bs", [pa.DEFAULT, pa.BlockSizes(block_q=16, num_warps=4), pa.BlockSizes(probe="loads")],
+                         ids=["default", "blocks-sharing", "loads-probe"])
+def test_lowers_to_triton_for_cuda(bs):
     sds = jax.ShapeDtypeStruct
     q, pages = sds((1, 8, 24, 256), jnp.bfloat16), sds((40, 16, 4, 256), jnp.bfloat16)
-    f = jax.jit(pa.paged_attention)
+    f = jax.jit(lambda *a: pa.paged_attention(*a, block_sizes=bs))
     text = f.trace(q, pages, pages, sds((1, 32), jnp.int32), sds((1, 8), jnp.int32)).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "triton" in text and "paged_attention" in text
@@ -128,6 +131,8 @@ def test_bad_shapes_raise_naming_the_value():
         pa.paged_attention(q, kp, vp, pt, pos, block_sizes=pa.BlockSizes(block_k=24), interpret=True)
     with pytest.raises(ValueError, match="h=3"):
         pa.paged_attention(q[:, :, :3], kp, vp, pt, pos, block_sizes=SMALL, interpret=True)
+    with pytest.raises(ValueError, match="unknown probe 'dots'"):
+        pa.paged_attention(q, kp, vp, pt, pos, block_sizes=pa.BlockSizes(probe="dots"), interpret=True)
 
 
 # The same cases compiled on a GPU: `pytest -m gpu tests/test_attention_kernel.py` on the device.

@@ -298,10 +298,12 @@ def attention_section(sweep: bool | str):
     h, g, e = 24, 4, 256
     best = pa.DEFAULT
     if sweep == "chunks":  # chunk policies (from the lane's span) at every context: best geometric mean of fractions
-        cands = [pa.BlockSizes(), pa.BlockSizes(num_warps=8), pa.BlockSizes(chunk_programs=528),
-                 pa.BlockSizes(chunk_programs=528, num_warps=8), pa.BlockSizes(chunk_programs=1056, num_warps=8),
-                 pa.BlockSizes(q_blocks=1), pa.BlockSizes(q_blocks=1, num_warps=8),
-                 pa.BlockSizes(block_k=32, num_stages=3), pa.BlockSizes(block_q=64), pa.BlockSizes(block_q=64, num_warps=8)]
+        q16, q64 = dict(block_q=16, num_warps=4), dict(block_q=64, num_warps=8)  # the old default and the new
+        cands = [pa.BlockSizes(**q16), pa.BlockSizes(**q16, chunk_programs=528), pa.BlockSizes(**q16, q_blocks=1),
+                 pa.BlockSizes(**q16, block_k=32, num_stages=3), pa.BlockSizes(**q64),
+                 pa.BlockSizes(**q64, chunk_programs=528), pa.BlockSizes(**q64, block_k=32, num_stages=3),
+                 pa.BlockSizes(block_q=64, num_warps=4), pa.BlockSizes(block_q=32, num_warps=4),
+                 pa.BlockSizes(block_q=32, num_warps=8)]
         logs = {}
         for ctx in (2048, 16384, 65536):
             kvb = 2 * ctx * g * e * 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -108,14 +109,24 @@ def check_kernel(kernel, reference, args, bs, interpret: bool, dtype) -> None:
     assert rel_err(y, reference(*args)) < (1e-5 if dtype == jnp.float32 else 1e-2)
 
 
+def finished(out):
+    """`out` once computed (tracers pass through): one interpreted kernel at a time. The Mosaic GPU interpreter's host
+    callbacks dispatch jax ops themselves; with eager dispatch running ahead, two such kernels held a 2-core CPU
+    client's threads waiting on each other's ops (a hang seen once in test_model_kernels)."""
+    leaves = jax.tree.leaves(out)
+    if leaves and not any(isinstance(x, jax.core.Tracer) for x in leaves):
+        jax.block_until_ready(out)
+    return out
+
+
 def spy_interpreted(monkeypatch, module, name: str, record) -> list:
-    """Swap module.name for a spy that appends record(args, kwargs) and runs the kernel in interpret mode."""
+    """Swap module.name for a spy that appends record(args, kwargs) and runs the kernel in interpret mode, to the end."""
     calls = []
     kernel = getattr(module, name)
 
     def spy(*args, **kwargs):
         calls.append(record(args, kwargs))
-        return kernel(*args, **{**kwargs, "interpret": True})
+        return finished(kernel(*args, **{**kwargs, "interpret": True}))
 
     monkeypatch.setattr(module, name, spy)
     return calls

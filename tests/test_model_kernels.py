@@ -13,7 +13,7 @@ from flax import nnx
 from jax.experimental import pallas as pl
 
 from pallas_kernels import qmatmul_mgpu as mg
-from tests.helpers import rel_err
+from tests.helpers import finished, rel_err
 from tfjax import geometry, models, ops
 from tfjax.config import QuantConfig
 from tfjax.models.layers import ROWS, serving_layout
@@ -47,13 +47,13 @@ def test_whole_model_through_the_gpu_dispatch_gives_the_reference_paths_logits(m
 
     def interpreted(*args, **kwargs):
         names.append(kwargs.get("name"))
-        return pallas_call(*args, **{**kwargs, "interpret": True})
+        return pallas_call(*args, **{**kwargs, "interpret": True})  # Triton's interpreter: no host callbacks
 
     qmatmul_parts = mg.qmatmul_parts
 
     def parts_interpreted(*args, **kwargs):
         parts.append(args[1].shape)
-        return qmatmul_parts(*args, **{**kwargs, "interpret": True})
+        return finished(qmatmul_parts(*args, **{**kwargs, "interpret": True}))
 
     monkeypatch.setattr(pl, "pallas_call", interpreted)
     monkeypatch.setattr(mg, "qmatmul_parts", parts_interpreted)

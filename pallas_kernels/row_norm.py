@@ -7,7 +7,7 @@ whatever M is: row-invariant by construction, one launch per norm.
 
 A fused residual step (the matmul's K-split partials summed, added and normalised in this kernel's launch) was
 measured slower on the H200 than XLA's sum and add plus this kernel at every split (one program a row reads all
-partials on one SM; docs/benchmarks.md, 2026-12-04 eighth run) and removed; `add_update` is that sum and add.
+partials on one SM; docs/benchmarks.md, 2026-12-04 eighth run) and removed; `tfjax.ops.add_norm` does the sum and add.
 
 Triton blocks are powers of two, so a row of D values is read as D's binary pieces (576 = 512 + 64,
 5120 = 4096 + 1024): the sum of squares adds the pieces in a fixed order, then each piece is scaled and
@@ -127,15 +127,6 @@ def row_norm(x: jax.Array, weight: jax.Array | None = None, z: jax.Array | None 
         interpret=interpret,
         name=f"row_norm_{kind}",
     )(*args)
-
-
-def add_update(x: jax.Array, parts: jax.Array) -> jax.Array:
-    """x plus an update given as partial sums parts [S, ...]: summed in order (elementwise, the same for every row),
-    rounded to x's dtype, added."""
-    update = parts[0]
-    for p in parts[1:]:
-        update = update + p
-    return x + update.astype(x.dtype)
 
 
 def reference(x: jax.Array, weight: jax.Array | None = None, z: jax.Array | None = None, *, kind: str,

@@ -13,7 +13,7 @@ from flax import nnx
 from jax.experimental import pallas as pl
 
 from pallas_kernels import qmatmul_mgpu as mg
-from tests.helpers import finished, rel_err
+from tests.helpers import rel_err, spy_interpreted
 from tfjax import geometry, models, ops
 from tfjax.config import QuantConfig
 from tfjax.models.layers import ROWS, serving_layout
@@ -42,21 +42,15 @@ def _prompt_then_step(mode: str):
 
 
 def test_whole_model_through_the_gpu_dispatch_gives_the_reference_paths_logits(monkeypatch):
-    names, parts = [], []
+    names = []
     pallas_call = pl.pallas_call
 
     def interpreted(*args, **kwargs):
         names.append(kwargs.get("name"))
         return pallas_call(*args, **{**kwargs, "interpret": True})  # Triton's interpreter: no host callbacks
 
-    qmatmul_parts = mg.qmatmul_parts
-
-    def parts_interpreted(*args, **kwargs):
-        parts.append(args[1].shape)
-        return finished(qmatmul_parts(*args, **{**kwargs, "interpret": True}))
-
     monkeypatch.setattr(pl, "pallas_call", interpreted)
-    monkeypatch.setattr(mg, "qmatmul_parts", parts_interpreted)
+    parts = spy_interpreted(monkeypatch, mg, "qmatmul_parts", lambda args, kw: args[1].shape)
     want = _prompt_then_step("reference")
     assert names == [] and parts == []
     try:

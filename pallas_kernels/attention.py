@@ -49,7 +49,9 @@ class BlockSizes:
     # rows or the lanes in a call, so row invariance holds: short contexts get many small chunks to fill the GPU.
     # 264 won the H200 sweep at 2k/16k/64k (2k decode 77 -> 35 us, 64k 251 -> 198 us); 0 keeps chunk_k
     chunk_programs: int = 264
-    probe: str = ""  # timing probe (wrong results): "loads" reads every key tile as the kernel does, no dots or softmax
+    # timing probes (wrong results): "loads" reads every key tile as the kernel does, no dots or softmax; "contig"
+    # reads a tile's pages as one slice from the chunk's first page on, the page table unread
+    probe: str = ""
 
     def chunk_for(self, span: int, kv_heads: int) -> int:
         """Keys per program for a lane span of `span` keys."""
@@ -97,7 +99,8 @@ def _paged_kernel(q_ref, pos_ref, pt_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, 
 
     def body(i, carry):
         k0 = start + i * block_k
-        pids = pt_ref[pl.ds(k0 // page, per_tile)]  # [per_tile]
+        # the tile's pages (probe "contig": pages k0 // page on, a slice, as if the table were the identity)
+        pids = pl.ds(k0 // page, per_tile) if probe == "contig" else pt_ref[pl.ds(k0 // page, per_tile)]
         keys = k0 + jnp.arange(block_k)
         k = k_ref[pids].reshape(block_k, e)
         # keys past every row hold whatever their pages hold (a lane's unallocated tail): never let a NaN
@@ -155,7 +158,7 @@ def _check(q, k_pages, v_pages, page_table, positions, bs: BlockSizes):
             raise ValueError(f"{name}={v} must be a power of 2 >= 16")
     if bs.q_blocks < 1:
         raise ValueError(f"q_blocks={bs.q_blocks} must be >= 1")
-    if bs.probe not in ("", "loads"):
+    if bs.probe not in ("", "loads", "contig"):
         raise ValueError(f"unknown probe {bs.probe!r}")
     if bs.block_k % page or bs.chunk_k % bs.block_k:
         raise ValueError(f"block_k={bs.block_k} must be a multiple of {page=}, chunk_k={bs.chunk_k} of block_k")

@@ -289,6 +289,9 @@ def kv_sets(ctx, count, g=4, e=256, page=16, seed=0):
     return out
 
 
+ATTN_CANDS: list[dict] = []  # --attn-cands
+
+
 def attention_section(sweep: bool | str):
     import jax
 
@@ -350,6 +353,9 @@ def attention_section(sweep: bool | str):
         best = min(scored, key=lambda s: s[0])[1]
         print(f"  best attention blocks {best}", flush=True)
     RESULTS["attn_bs"] = dataclasses.asdict(best)
+    if ATTN_CANDS:
+        attention_candidates(ATTN_CANDS, h, g, e, bw)
+        return
     for ctx in (2048, 16384, 65536):
         kvb = 2 * ctx * g * e * 2
         sets = kv_sets(ctx, max(2, min(16, math.ceil(512e6 / kvb))))
@@ -374,6 +380,39 @@ def attention_section(sweep: bool | str):
                                                             xla_us=tr * 1e6, err=err))
             row("attention", f"ctx {ctx} rows {t}, device time (wall {tt * 1e6:.0f} us, XLA's wall {tr * 1e6:.0f} "
                 f"us; err {err:.0e})", dev, kvb / dev / 1e9, bw / 1e9, "GB/s")
+
+
+def attention_candidates(cands, h, g, e, bw):
+    """Device time of each candidate (BlockSizes keywords, plus `page`: the cache's page size) at every context and
+    1 and 8 rows, in one process: A/B rows of one table (a probe's errors are meaningless and printed as such)."""
+    import jax
+
+    from pallas_kernels import attention as pa
+
+    for ctx in (2048, 16384, 65536):
+        kvb = 2 * ctx * g * e * 2
+        count = max(2, min(16, math.ceil(512e6 / kvb)))
+        for t in (1, 8):
+            q, pos = verify_rows(ctx, t, h, e, seed=t)
+            for kw in cands:
+                kw = dict(kw)
+                sets = kv_sets(ctx, count, page=kw.pop("page", 16))
+                bs = pa.BlockSizes(**kw)
+                f = lambda q, kp, vp, pt, pos, bs=bs: pa.paged_attention(q, kp, vp, pt, pos, block_sizes=bs)
+                args = [(q, *s, pos) for s in sets]
+                try:
+                    err = rel_err(f(*args[0]), pa.reference(*args[0]))
+                    dev = device_time(jax.jit(lambda args, f=f: [f(*a) for a in args]), (args,), None,
+                                      per_call=len(args))
+                except Exception as ex:  # a config Triton refuses is a row, not the end of the run
+                    print(f"  attn cand ctx {ctx} rows {t} {kw}: failed {type(ex).__name__}: {str(ex)[:300]}",
+                          flush=True)
+                    continue
+                print(f"  attn cand ctx {ctx} rows {t} page {sets[0][0].shape[1]} {kw}: {dev * 1e6:.1f} us "
+                      f"{kvb / dev / bw:.1%} err {err:.1e}", flush=True)
+                RESULTS.setdefault("attn_cands", []).append(dict(ctx=ctx, t=t, kw=kw, page=sets[0][0].shape[1],
+                                                                 device_us=dev * 1e6, err=err))
+                del sets, args
 
 
 # --- Gated DeltaNet recurrence (rounds) ---
@@ -730,8 +769,12 @@ def main():
                     "dispatch unless TFJAX_QMATMUL_MGPU=0), e.g. \"dict(pad_rows=True)\"")
     ap.add_argument("--attn-blocks", default="", help="attention's default BlockSizes keywords (decode and the "
                     "attention section), e.g. \"dict(q_blocks=1)\"")
+    ap.add_argument("--attn-cands", default="", help="attention: instead of the table, device time of each "
+                    "candidate, e.g. \"[dict(), dict(probe='loads'), dict(num_stages=1, page=64)]\"")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if a.attn_cands:
+        ATTN_CANDS.extend(eval(a.attn_cands))  # noqa: S307 (a benchmark's own flag)
     if a.mgpu_policy:
         from pallas_kernels import qmatmul_mgpu
 

@@ -223,13 +223,21 @@ def paged_attention(
         interpret=interpret,
         name="paged_attention",
     )(qr, pos, pt, k_pages, v_pages)
+    return combine(o, m, l, rows, (b, t, h, e), q.dtype)
+
+
+def combine(o, m, l, rows: int, shape, dtype) -> jax.Array:
+    """The chunks' partials (o [B, G, C, rows_pad, E] unnormalised, m and l [B, G, C, rows_pad]) as ``[B, T, H, E]``:
+    max, then a sum in a fixed pairwise order over chunks (a row's chunks past its position weigh exact zeros)."""
+    b, t, h, e = shape
+    g = o.shape[1]
     top = jnp.max(m, axis=2, keepdims=True)  # max is exact in any order
     w = jnp.exp(m - top)  # [B, G, C, rows]; 0 for chunks a row cannot see
     lsum = _tree_sum(w * l, axis=2)
     osum = _tree_sum(w[..., None] * o, axis=2)  # [B, G, rows, E]
     out = jnp.where(lsum[..., None] > 0, osum / jnp.where(lsum > 0, lsum, 1.0)[..., None], 0.0)
-    out = out[:, :, :rows].reshape(b, g, t, r, e).transpose(0, 2, 1, 3, 4).reshape(b, t, h, e)
-    return out.astype(q.dtype)
+    out = out[:, :, :rows].reshape(b, g, t, h // g, e).transpose(0, 2, 1, 3, 4).reshape(b, t, h, e)
+    return out.astype(dtype)
 
 
 def reference(q, k_pages, v_pages, page_table, positions) -> jax.Array:

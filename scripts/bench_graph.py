@@ -383,34 +383,37 @@ def attention_section(sweep: bool | str):
 
 
 def attention_candidates(cands, h, g, e, bw):
-    """Device time of each candidate (BlockSizes keywords, plus `page`: the cache's page size) at every context and
-    1 and 8 rows, in one process: A/B rows of one table (a probe's errors are meaningless and printed as such)."""
+    """Device time of each candidate (BlockSizes keywords, plus `page`: the cache's page size, and `kernel`: "mgpu"
+    for the Mosaic GPU kernel) at every context and 1 and 8 rows, in one process: A/B rows of one table (a probe's
+    errors are meaningless)."""
     import jax
 
     from pallas_kernels import attention as pa
+    from pallas_kernels import attention_mgpu as am
 
     for ctx in (2048, 16384, 65536):
         kvb = 2 * ctx * g * e * 2
         count = max(2, min(16, math.ceil(512e6 / kvb)))
         for t in (1, 8):
             q, pos = verify_rows(ctx, t, h, e, seed=t)
-            for kw in cands:
-                kw = dict(kw)
+            for label in cands:
+                kw = dict(label)
                 sets = kv_sets(ctx, count, page=kw.pop("page", 16))
-                bs = pa.BlockSizes(**kw)
-                f = lambda q, kp, vp, pt, pos, bs=bs: pa.paged_attention(q, kp, vp, pt, pos, block_sizes=bs)
+                mod = am if kw.pop("kernel", "triton") == "mgpu" else pa
+                bs = mod.BlockSizes(**kw)
+                f = lambda q, kp, vp, pt, pos, bs=bs, mod=mod: mod.paged_attention(q, kp, vp, pt, pos, block_sizes=bs)
                 args = [(q, *s, pos) for s in sets]
                 try:
                     err = rel_err(f(*args[0]), pa.reference(*args[0]))
                     dev = device_time(jax.jit(lambda args, f=f: [f(*a) for a in args]), (args,), None,
                                       per_call=len(args))
                 except Exception as ex:  # a config Triton refuses is a row, not the end of the run
-                    print(f"  attn cand ctx {ctx} rows {t} {kw}: failed {type(ex).__name__}: {str(ex)[:300]}",
+                    print(f"  attn cand ctx {ctx} rows {t} {label}: failed {type(ex).__name__}: {str(ex)[:300]}",
                           flush=True)
                     continue
-                print(f"  attn cand ctx {ctx} rows {t} page {sets[0][0].shape[1]} {kw}: {dev * 1e6:.1f} us "
+                print(f"  attn cand ctx {ctx} rows {t} {label}: {dev * 1e6:.1f} us "
                       f"{kvb / dev / bw:.1%} err {err:.1e}", flush=True)
-                RESULTS.setdefault("attn_cands", []).append(dict(ctx=ctx, t=t, kw=kw, page=sets[0][0].shape[1],
+                RESULTS.setdefault("attn_cands", []).append(dict(ctx=ctx, t=t, cand=label,
                                                                  device_us=dev * 1e6, err=err))
                 del sets, args
 

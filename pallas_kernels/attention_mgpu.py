@@ -1,0 +1,277 @@
+"""Pallas Mosaic GPU verify/decode attention over the paged KV cache (Hopper): TMA-fed key tiles, MMAs from shared
+memory, row-invariant.
+
+The same contract as `attention.paged_attention` (shapes, causal rows, GQA, the partials' combine), built the way
+the Mosaic matmul is: each key tile's pages arrive by TMA into shared memory `stages` tiles ahead of the MMAs, so
+the reads stay in flight while the dots and the softmax run. The Triton kernel gathers a tile's pages with
+computed pointers through registers; at 64k and 8 rows it moved the KV bytes at half the copy rate (H200,
+docs/benchmarks.md, ninth run).
+
+Grid: (query block, key chunk, KV head, lane). A program takes one block of 64 query rows (row, head) of one
+(lane, KV head), the MMA's M, and one chunk of keys at an absolute offset; the chunk's page ids and the block's
+positions come by TMA first, then K and V tiles of `block_k` keys, one TMA copy a page. Per tile: S = Q K^T (the
+MMA, Q and K from shared memory), the online softmax in float32 registers, then acc = acc * alpha + P V (P from
+registers). The tile holding the lane's last position has its V rows past it zeroed in shared memory first, so
+what unwritten or unallocated pages hold (NaN included) never reaches a row through 0 * NaN.
+
+Row invariance: chunk and tile boundaries are fixed by absolute key position, a row's scores and softmax state
+use only its own q and the keys (an MMA row is its own), and a tile past a row's position is an exact no-op on
+its state: its scores are -inf, so p = 0, alpha = exp(m - m) = 1, acc * 1 + 0 and l * 1 + 0 keep their bits.
+Chunks past a row contribute exact zeros to the combine (shared with the Triton kernel).
+
+GPU interpret mode (CPU tests) runs the same pipeline, barriers and TMA copies; its two products are plain dots
+(the interpreter has no register-operand MMA), so the CPU checks the schedule and the masking, the GPU tests the
+MMAs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import attention as triton_attention
+
+BLOCK_Q = 64  # query rows a program: the MMA's M
+NEG = triton_attention.NEG
+PT_WINDOW = 32  # page ids a program reads at least (TMA moves multiples of 128 bytes a warpgroup)
+SWIZZLED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # bf16 tiles in 128-byte rows
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    block_k: int = 64  # keys a tile: a multiple of the page size and of 64 (the V tail's mask is a 64-row layout)
+    stages: int = 2  # key tiles in flight (K and V of 64 keys at head dim 256: 64 KB a stage)
+    # chunk policy as the Triton kernel's: the fewest keys a chunk keeping chunks x KV heads <= this many programs
+    chunk_programs: int = 264
+    probe: str = ""  # timing probe (wrong results): "loads" moves every tile by TMA, no dots or softmax
+
+    def chunk_for(self, span: int, kv_heads: int) -> int:
+        """Keys per program for a lane span of `span` keys (from the span and the KV heads, never the rows)."""
+        return triton_attention.BlockSizes(block_k=self.block_k, chunk_programs=self.chunk_programs).chunk_for(
+            span, kv_heads)
+
+
+DEFAULT = BlockSizes()
+
+
+def _kernel(q_gmem, pos_gmem, last_gmem, pt_gmem, k_gmem, v_gmem, o_gmem, m_gmem, l_gmem, *, page, chunk_k, scale,
+            bs: BlockSizes, interpret: bool):
+    # q_gmem [B, G, rows_pad, E] bf16; pos_gmem [B, rows_pad] i32 (-1: padding); last_gmem [B, 32] i32 (the lane's
+    # last position at 0); pt_gmem [B, n_pad] i32; k_gmem, v_gmem [P, page, G, E]; o_gmem [B, G, C, rows_pad, E]
+    # f32 (unnormalised); m_gmem, l_gmem [B, G, C, rows_pad] f32
+    qi, c, j, b = (lax.axis_index(n) for n in ("q", "c", "g", "b"))
+    e = q_gmem.shape[-1]
+    bk, stages = bs.block_k, bs.stages
+    per_tile = bk // page
+    window = max(chunk_k // page, PT_WINDOW)
+    start = c * chunk_k
+    rows = pl.ds(qi * BLOCK_Q, BLOCK_Q)
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+    def read(ref, layout):  # registers in `layout` (a plain read in interpret mode)
+        return ref[...] if interpret else plgpu.load(ref, (), layout=layout)
+
+    def iota(shape, axis):
+        if interpret:
+            return lax.broadcasted_iota(jnp.int32, shape, axis)
+        return plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
+
+    def full(shape, value, layout):
+        x = jnp.full(shape, value, jnp.float32)
+        return x if interpret else plgpu.layout_cast(x, layout)
+
+    def loop(q_smem, pos_smem, last_smem, pt_smem, k_smem, v_smem, head_bar, k_bars, v_bars):
+        plgpu.copy_gmem_to_smem(last_gmem.at[b], last_smem, head_bar.at[0])
+        plgpu.copy_gmem_to_smem(pt_gmem.at[b, pl.ds(c * (chunk_k // page), window)], pt_smem, head_bar.at[0])
+        plgpu.copy_gmem_to_smem(pos_gmem.at[b, rows], pos_smem, head_bar.at[0])
+        plgpu.copy_gmem_to_smem(q_gmem.at[b, j, rows], q_smem, head_bar.at[0])
+        plgpu.barrier_wait(head_bar.at[0])
+        last = last_smem[0]
+        tiles = jnp.clip((last - start) // bk + 1, 0, chunk_k // bk)  # tiles any row of the lane can see
+
+        def issue(t):  # tile t's pages into its slot, one TMA copy a page
+            slot = lax.rem(t, stages)
+            for p in range(per_tile):
+                pid = pt_smem[t * per_tile + p]
+                dst = pl.ds(p * page, page)
+                plgpu.copy_gmem_to_smem(k_gmem.at[pid, :, j], k_smem.at[slot, dst], k_bars.at[slot])
+                plgpu.copy_gmem_to_smem(v_gmem.at[pid, :, j], v_smem.at[slot, dst], v_bars.at[slot])
+
+        for t in range(stages):
+            pl.when(t < tiles)(functools.partial(issue, t))
+
+        pos = read(pos_smem, row_layout)  # [64] i32
+
+        def scores(slot):  # S = Q K^T, f32 [64, bk]
+            if interpret:
+                return jnp.dot(q_smem[...], k_smem[slot].T, preferred_element_type=jnp.float32)
+
+            def mma(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                plgpu.wgmma_wait(0)
+                return acc_ref[...]
+
+            return pl.run_scoped(mma, plgpu.ACC((BLOCK_Q, bk), jnp.float32))
+
+        def accumulate(acc, p, slot):  # acc + P V
+            if interpret:
+                return acc + jnp.dot(p, v_smem[slot], preferred_element_type=jnp.float32)
+
+            def mma(acc_ref):
+                plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+                plgpu.wgmma_wait(0)
+
+            return pl.run_state(mma)(plgpu.ACC.init(acc))
+
+        def body(t, carry):
+            acc, m, l = carry
+            slot = lax.rem(t, stages)
+            k0 = start + t * bk
+            plgpu.barrier_wait(k_bars.at[slot])
+            plgpu.barrier_wait(v_bars.at[slot])
+            if bs.probe == "loads":
+                pl.when(t + stages < tiles)(lambda: issue(t + stages))
+                return acc, m, l
+
+            @pl.when(last < k0 + bk - 1)  # the tail tile: V rows past the lane's last position to exact zeros
+            def _():
+                v = read(v_smem.at[slot], plgpu.Layout.WGMMA)
+                v_smem.at[slot][...] = jnp.where(k0 + iota((bk, e), 0) <= last, v, jnp.zeros_like(v))
+                plgpu.commit_smem()
+
+            s = scores(slot) * scale
+            s = jnp.where(k0 + iota((BLOCK_Q, bk), 1) <= lax.broadcast_in_dim(pos, (BLOCK_Q, bk), (0,)), s,
+                          jnp.full_like(s, -jnp.inf))
+            m_new = jnp.maximum(m, s.max(axis=1))
+            p = jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, (0,)))
+            alpha = jnp.exp(m - m_new)
+            l = l * alpha + p.sum(axis=1)
+            acc = accumulate(acc * lax.broadcast_in_dim(alpha, acc.shape, (0,)), p.astype(v_smem.dtype), slot)
+            pl.when(t + stages < tiles)(lambda: issue(t + stages))  # the slot's MMAs are done: refill it
+            return acc, m_new, l
+
+        init = (full((BLOCK_Q, e), 0.0, plgpu.Layout.WGMMA), full((BLOCK_Q,), NEG, row_layout),
+                full((BLOCK_Q,), 0.0, row_layout))
+        return lax.fori_loop(0, tiles, body, init)
+
+    acc, m, l = pl.run_scoped(
+        loop,
+        plgpu.SMEM((BLOCK_Q, e), q_gmem.dtype, transforms=SWIZZLED),
+        plgpu.SMEM((BLOCK_Q,), jnp.int32),
+        plgpu.SMEM((PT_WINDOW,), jnp.int32),
+        plgpu.SMEM((window,), jnp.int32),
+        plgpu.SMEM((stages, bk, e), k_gmem.dtype, transforms=SWIZZLED),
+        plgpu.SMEM((stages, bk, e), v_gmem.dtype, transforms=SWIZZLED),
+        plgpu.Barrier(num_arrivals=4),
+        plgpu.Barrier(num_arrivals=per_tile, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=per_tile, num_barriers=stages),
+    )
+
+    def store(o_smem, ml_smem):  # the partials through shared memory, 64 columns of o a TMA store
+        ml_smem[0] = m
+        ml_smem[1] = l
+        for f in range(e // 64):
+            slot = f % 2
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the slot's previous store has read it
+            o_smem[slot] = acc[:, f * 64:(f + 1) * 64]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[slot], o_gmem.at[b, j, c, rows, pl.ds(f * 64, 64)])
+        plgpu.copy_smem_to_gmem(ml_smem.at[0], m_gmem.at[b, j, c, rows])
+        plgpu.copy_smem_to_gmem(ml_smem.at[1], l_gmem.at[b, j, c, rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(store, plgpu.SMEM((2, BLOCK_Q, 64), jnp.float32), plgpu.SMEM((2, BLOCK_Q), jnp.float32))
+
+
+HEAD_DIMS = (64, 128, 256)
+
+
+def supports(head_dim: int, page: int, bs: BlockSizes = DEFAULT) -> bool:
+    """Whether the kernel serves this head dim and page size (callers take the Triton kernel otherwise)."""
+    return head_dim in HEAD_DIMS and page % 8 == 0 and bs.block_k % page == 0
+
+
+def _check(q, k_pages, v_pages, page_table, positions, bs: BlockSizes):
+    triton_attention._check(q, k_pages, v_pages, page_table, positions, triton_attention.BlockSizes())
+    page = k_pages.shape[1]
+    if q.dtype != jnp.bfloat16 or k_pages.dtype != jnp.bfloat16:
+        raise ValueError(f"the Mosaic GPU attention takes bf16 q and pages, got {q.dtype=} {k_pages.dtype=}")
+    if bs.block_k % 64 or bs.block_k % page or page % 8:
+        raise ValueError(f"block_k={bs.block_k} must be a multiple of 64 and of {page=}, a multiple of 8")
+    if bs.stages < 1 or bs.probe not in ("", "loads"):
+        raise ValueError(f"stages={bs.stages} must be >= 1, probe {bs.probe!r} one of '', 'loads'")
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
+def paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    positions: jax.Array,
+    *,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Causal GQA attention of q rows over a lane's pages: ``[B, T, H, E]`` bf16 (as `attention.paged_attention`)."""
+    bs = block_sizes or DEFAULT
+    _check(q, k_pages, v_pages, page_table, positions, bs)
+    b, t, h, e = q.shape
+    _, page, g, _ = k_pages.shape
+    r = h // g
+    rows = t * r
+    rows_pad = pl.cdiv(rows, BLOCK_Q) * BLOCK_Q
+    qr = q.reshape(b, t, g, r, e).transpose(0, 2, 1, 3, 4).reshape(b, g, rows, e)  # row = t * R + head
+    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
+    span = page_table.shape[1] * page
+    pos = jnp.broadcast_to(jnp.minimum(positions, span - 1)[:, :, None], (b, t, r)).reshape(b, rows)
+    pos = jnp.pad(pos.astype(jnp.int32), ((0, 0), (0, rows_pad - rows)), constant_values=-1)
+    last = jnp.pad(jnp.max(pos, axis=1, keepdims=True), ((0, 0), (0, PT_WINDOW - 1)))
+    chunk_k = bs.chunk_for(span, g)
+    chunks = pl.cdiv(span, chunk_k)
+    window = max(chunk_k // page, PT_WINDOW)
+    pt = jnp.clip(page_table.astype(jnp.int32), 0, k_pages.shape[0] - 1)  # unallocated (P): a real page, masked
+    pt = jnp.pad(pt, ((0, 0), (0, (chunks - 1) * (chunk_k // page) + window - page_table.shape[1])))
+    kernel = functools.partial(_kernel, page=page, chunk_k=chunk_k, scale=e**-0.5, bs=bs, interpret=interpret)
+    qb = rows_pad // BLOCK_Q
+    o, m, l = plgpu.kernel(
+        kernel,
+        out_type=[
+            jax.ShapeDtypeStruct((b, g, chunks, rows_pad, e), jnp.float32),
+            jax.ShapeDtypeStruct((b, g, chunks, rows_pad), jnp.float32),
+            jax.ShapeDtypeStruct((b, g, chunks, rows_pad), jnp.float32),
+        ],
+        grid=(qb, chunks, g, b),
+        grid_names=("q", "c", "g", "b"),
+        kernel_name="paged_attention_mgpu",
+        interpret=_interpret_params() if interpret else None,
+    )(qr, pos, last, pt, k_pages, v_pages)
+    return triton_attention.combine(o, m, l, rows, (b, t, h, e), q.dtype)
+
+
+def _interpret_params():
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams(uninitialized_memory="zero")
+
+
+reference = triton_attention.reference
+
+
+def lowered_for_gpu(q_shape, pages_shape, table_width: int, block_sizes: BlockSizes | None = None) -> str:
+    """The kernel lowered for CUDA (Mosaic GPU) as StableHLO text; no GPU needed. Raises what the lowering finds."""
+    from jax import export
+
+    sds = jax.ShapeDtypeStruct
+    b, t = q_shape[:2]
+    f = jax.jit(lambda *a: paged_attention(*a, block_sizes=block_sizes))
+    exp = export.export(f, platforms=["cuda"])(sds(q_shape, jnp.bfloat16), sds(pages_shape, jnp.bfloat16),
+                                                sds(pages_shape, jnp.bfloat16), sds((b, table_width), jnp.int32),
+                                                sds((b, t), jnp.int32))
+    return exp.mlir_module()

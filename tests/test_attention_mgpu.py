@@ -1,0 +1,116 @@
+"""The Mosaic GPU paged attention equals the reference, keeps NaN in unwritten pages away, and is row-invariant.
+
+CPU: GPU interpret mode (the TMA pipeline, barriers and masking; plain dots for the MMAs) and the CUDA lowering;
+`-m gpu`: compiled, MMAs included.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import attention_mgpu as am
+from tests.helpers import check_kernel, finished, rel_err
+from tests.test_attention_kernel import RAGGED, _case
+
+
+def _check(args, bs, interpret):
+    finished(check_kernel(am.paged_attention, am.reference, args, bs, interpret, jnp.bfloat16))
+
+
+@pytest.mark.parametrize("positions", RAGGED)
+def test_interpret_decode_ragged_lengths_match_reference(positions):
+    rng = np.random.default_rng(len(str(positions)))
+    _check(_case(rng, 2, 1, 4, 2, 64, 6, 16, jnp.bfloat16, positions), None, True)
+
+
+@pytest.mark.parametrize("e,h,g,t,bs", [(64, 6, 2, 3, am.DEFAULT), (128, 16, 4, 5, am.BlockSizes(stages=3)),
+                                        (64, 4, 1, 20, am.BlockSizes(block_k=128, stages=1))],
+                         ids=["two-blocks", "three-stages", "long-tiles-two-query-blocks"])
+def test_interpret_verify_rows_gqa_match_reference(e, h, g, t, bs):
+    rng = np.random.default_rng(e + t)
+    _check(_case(rng, 2, t, h, g, e, 20, 16, jnp.bfloat16), bs, True)
+
+
+def test_interpret_rows_bit_identical_to_each_row_alone():
+    rng = np.random.default_rng(3)
+    q, kp, vp, pt, pos = _case(rng, 1, 5, 4, 2, 64, 8, 16, jnp.bfloat16, [[60, 61, 62, 63, 64]])
+    f = lambda q, pos: np.asarray(finished(am.paged_attention(q, kp, vp, pt, pos, interpret=True))).view(np.uint16)
+    full = f(q, pos)
+    for i in range(5):
+        np.testing.assert_array_equal(f(q[:, i : i + 1], pos[:, i : i + 1])[:, 0], full[:, i], err_msg=f"row {i}")
+
+
+def test_interpret_nan_past_the_last_position_never_reaches_a_row():
+    """Unwritten slots of the lane's last page and unallocated pages (marked P, read as the pool's last) hold NaN."""
+    rng = np.random.default_rng(5)
+    q, kp, vp, _, _ = _case(rng, 1, 3, 4, 2, 64, 4, 16, jnp.bfloat16)
+    table = jnp.asarray([[2, 0, 1, 5, kp.shape[0]]], jnp.int32)  # pages 2, 0, 1 and part of 5; the 5th marked P
+    positions = jnp.asarray([[50, 51, 52]], jnp.int32)  # the key tile [0, 64) ends inside page 5
+    clean = am.reference(q, kp, vp, table, positions)
+    kp, vp = kp.at[5, 5:].set(jnp.nan), vp.at[5, 5:].set(jnp.nan)  # page 5 past position 52 (its offset 4)
+    kp, vp = kp.at[-1].set(jnp.nan), vp.at[-1].set(jnp.nan)
+    y = finished(am.paged_attention(q, kp, vp, table, positions, interpret=True))
+    assert np.isfinite(np.asarray(y, np.float32)).all()
+    assert rel_err(y, clean) < 1e-2
+
+
+@pytest.mark.parametrize("bs", [am.DEFAULT, am.BlockSizes(probe="loads"), am.BlockSizes(block_k=128, stages=1)],
+                         ids=["default", "loads-probe", "long-tiles"])
+def test_lowers_to_mosaic_gpu_for_cuda(bs):
+    text = am.lowered_for_gpu((1, 8, 24, 256), (256, 16, 4, 256), 256, bs)
+    assert "mosaic_gpu" in text
+
+
+def test_bad_inputs_raise_naming_the_value():
+    rng = np.random.default_rng(4)
+    q, kp, vp, pt, pos = _case(rng, 1, 1, 4, 2, 64, 4, 16, jnp.bfloat16)
+    with pytest.raises(ValueError, match="block_k=96"):
+        am.paged_attention(q, kp, vp, pt, pos, block_sizes=am.BlockSizes(block_k=96), interpret=True)
+    with pytest.raises(ValueError, match="bf16"):
+        am.paged_attention(q.astype(jnp.float32), kp, vp, pt, pos, interpret=True)
+    with pytest.raises(ValueError, match="probe 'dots'"):
+        am.paged_attention(q, kp, vp, pt, pos, block_sizes=am.BlockSizes(probe="dots"), interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("positions", RAGGED)
+def test_gpu_decode_ragged_lengths_match_reference(positions):
+    assert jax.default_backend() == "gpu"
+    rng = np.random.default_rng(11)
+    _check(_case(rng, 2, 1, 24, 4, 256, 6, 16, jnp.bfloat16, positions), None, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("e,h,g,t,bs", [(64, 8, 2, 1, am.DEFAULT), (128, 16, 4, 7, am.BlockSizes(stages=3)),
+                                        (256, 24, 4, 16, am.DEFAULT), (256, 24, 4, 8, am.BlockSizes(block_k=128))])
+def test_gpu_verify_rows_match_reference(e, h, g, t, bs):
+    rng = np.random.default_rng(e + t)
+    _check(_case(rng, 2, t, h, g, e, 200, 16, jnp.bfloat16), bs, False)
+
+
+@pytest.mark.gpu
+def test_gpu_nan_past_the_last_position_never_reaches_a_row():
+    rng = np.random.default_rng(6)
+    q, kp, vp, _, _ = _case(rng, 1, 8, 24, 4, 256, 8, 16, jnp.bfloat16)
+    table = jnp.asarray([[2, 0, 1, 5, 7, kp.shape[0], kp.shape[0], kp.shape[0]]], jnp.int32)
+    positions = jnp.asarray([np.arange(8) + 60], jnp.int32)  # the tile [64, 128) ends inside page 7 (offset 3)
+    clean = am.reference(q, kp, vp, table, positions)
+    kp, vp = kp.at[7, 4:].set(jnp.nan), vp.at[7, 4:].set(jnp.nan)
+    kp, vp = kp.at[-1].set(jnp.nan), vp.at[-1].set(jnp.nan)
+    y = am.paged_attention(q, kp, vp, table, positions)
+    assert np.isfinite(np.asarray(y, np.float32)).all()
+    assert rel_err(y, clean) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_rows_bit_identical_to_each_row_alone():
+    rng = np.random.default_rng(5)
+    t = 16
+    q, kp, vp, pt, pos = _case(rng, 2, t, 24, 4, 256, 300, 16, jnp.bfloat16, [np.arange(t) + 3000, np.arange(t) + 77])
+    f = lambda q, pos: np.asarray(am.paged_attention(q, kp, vp, pt, pos)).view(np.uint16)
+    full = f(q, pos)
+    for i in range(t):
+        np.testing.assert_array_equal(f(q[:, i : i + 1], pos[:, i : i + 1])[:, 0], full[:, i], err_msg=f"row {i}")

@@ -63,8 +63,8 @@ DEFAULT = BlockSizes()
 def _kernel(q_gmem, pos_gmem, last_gmem, pt_gmem, k_gmem, v_gmem, o_gmem, m_gmem, l_gmem, *, page, chunk_k, scale,
             bs: BlockSizes, interpret: bool):
     # q_gmem [B, G, rows_pad, E] bf16; pos_gmem [B, rows_pad] i32 (-1: padding); last_gmem [B, 32] i32 (the lane's
-    # last position at 0); pt_gmem [B, n_pad] i32; k_gmem, v_gmem [P, page, G, E]; o_gmem [B, G, C, rows_pad, E]
-    # f32 (unnormalised); m_gmem, l_gmem [B, G, C, rows_pad] f32
+    # last position at 0); pt_gmem [B, n_pad] i32; k_gmem, v_gmem [P, page, G, E]; o_gmem [B, G, C, rows, E]
+    # f32 (unnormalised); m_gmem, l_gmem [B, G, C, rows rounded up to 4] f32
     qi, c, j, b = (lax.axis_index(n) for n in ("q", "c", "g", "b"))
     e = q_gmem.shape[-1]
     bk, stages = bs.block_k, bs.stages
@@ -240,19 +240,22 @@ def paged_attention(
     pt = jnp.pad(pt, ((0, 0), (0, (chunks - 1) * (chunk_k // page) + window - page_table.shape[1])))
     kernel = functools.partial(_kernel, page=page, chunk_k=chunk_k, scale=e**-0.5, bs=bs, interpret=interpret)
     qb = rows_pad // BLOCK_Q
+    # partials of the real rows only (TMA drops a block's rows past the array; m and l keep 16-byte strides); the
+    # interpreter takes no block past an array's end
+    o_rows, ml_rows = (rows_pad, rows_pad) if interpret else (rows, pl.cdiv(rows, 4) * 4)
     o, m, l = plgpu.kernel(
         kernel,
         out_type=[
-            jax.ShapeDtypeStruct((b, g, chunks, rows_pad, e), jnp.float32),
-            jax.ShapeDtypeStruct((b, g, chunks, rows_pad), jnp.float32),
-            jax.ShapeDtypeStruct((b, g, chunks, rows_pad), jnp.float32),
+            jax.ShapeDtypeStruct((b, g, chunks, o_rows, e), jnp.float32),
+            jax.ShapeDtypeStruct((b, g, chunks, ml_rows), jnp.float32),
+            jax.ShapeDtypeStruct((b, g, chunks, ml_rows), jnp.float32),
         ],
         grid=(qb, chunks, g, b),
         grid_names=("q", "c", "g", "b"),
         kernel_name="paged_attention_mgpu",
         interpret=_interpret_params() if interpret else None,
     )(qr, pos, last, pt, k_pages, v_pages)
-    return triton_attention.combine(o, m, l, rows, (b, t, h, e), q.dtype)
+    return triton_attention.combine(o, m[..., :o.shape[3]], l[..., :o.shape[3]], rows, (b, t, h, e), q.dtype)
 
 
 def _interpret_params():

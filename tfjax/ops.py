@@ -83,6 +83,12 @@ def mgpu_qmatmul() -> bool:
     return os.environ.get("TFJAX_QMATMUL_MGPU", "1") == "1"
 
 
+def mgpu_attention() -> bool:
+    """Lane-round attention through the Mosaic GPU paged kernel (`pallas_kernels.attention_mgpu`, TMA-fed key
+    tiles) where it serves the shape, instead of the Triton one (`TFJAX_ATTENTION_MGPU=1`; off until measured)."""
+    return os.environ.get("TFJAX_ATTENTION_MGPU", "0") == "1"
+
+
 def set_kernels(mode: str) -> None:
     """Force `kernel`, `reference` or `auto` dispatch (takes effect for new traces)."""
     global _FORCE

@@ -10,8 +10,8 @@ docs/benchmarks.md, ninth run).
 Grid: (query block, key chunk, KV head, lane). A program takes one block of 64 query rows (row, head) of one
 (lane, KV head), the MMA's M, and one chunk of keys at an absolute offset; the chunk's page ids and the block's
 positions come by TMA first, then K and V tiles of `block_k` keys, one TMA copy a page. Per tile: S = Q K^T (the
-MMA, Q and K from shared memory), the online softmax in float32 registers, then acc = acc * alpha + P V (P from
-registers). The tile holding the lane's last position has its V rows past it zeroed in shared memory first, so
+MMA, Q and K from shared memory), whose slot then takes the K of `stages` tiles on, the online softmax in float32
+registers, then acc = acc * alpha + P V (P from registers), whose slot then takes the next V. The tile holding the lane's last position has its V rows past it zeroed in shared memory first, so
 what unwritten or unallocated pages hold (NaN included) never reaches a row through 0 * NaN.
 
 Row invariance: chunk and tile boundaries are fixed by absolute key position, a row's scores and softmax state
@@ -95,16 +95,24 @@ def _kernel(q_gmem, pos_gmem, last_gmem, pt_gmem, k_gmem, v_gmem, o_gmem, m_gmem
         last = last_smem[0]
         tiles = jnp.clip((last - start) // bk + 1, 0, chunk_k // bk)  # tiles any row of the lane can see
 
-        def issue(t):  # tile t's pages into its slot, one TMA copy a page
+        def issue(t, pages_gmem, pages_smem, bars):  # tile t's K or V pages into its slot, one TMA copy a page
             slot = lax.rem(t, stages)
             for p in range(per_tile):
                 pid = pt_smem[t * per_tile + p]
-                dst = pl.ds(p * page, page)
-                plgpu.copy_gmem_to_smem(k_gmem.at[pid, :, j], k_smem.at[slot, dst], k_bars.at[slot])
-                plgpu.copy_gmem_to_smem(v_gmem.at[pid, :, j], v_smem.at[slot, dst], v_bars.at[slot])
+                plgpu.copy_gmem_to_smem(pages_gmem.at[pid, :, j], pages_smem.at[slot, pl.ds(p * page, page)],
+                                        bars.at[slot])
+
+        issue_k = functools.partial(issue, pages_gmem=k_gmem, pages_smem=k_smem, bars=k_bars)
+        issue_v = functools.partial(issue, pages_gmem=v_gmem, pages_smem=v_smem, bars=v_bars)
+
+        def refill(t, issue_kv):  # a slot's next tile, once its MMAs are done
+            pl.when(t + stages < tiles)(lambda: issue_kv(t + stages))
 
         for t in range(stages):
-            pl.when(t < tiles)(functools.partial(issue, t))
+            @pl.when(t < tiles)
+            def _(t=t):
+                issue_k(t)
+                issue_v(t)
 
         pos = read(pos_smem, row_layout)  # [64] i32
 
@@ -134,10 +142,21 @@ def _kernel(q_gmem, pos_gmem, last_gmem, pt_gmem, k_gmem, v_gmem, o_gmem, m_gmem
             slot = lax.rem(t, stages)
             k0 = start + t * bk
             plgpu.barrier_wait(k_bars.at[slot])
-            plgpu.barrier_wait(v_bars.at[slot])
             if bs.probe == "loads":
-                pl.when(t + stages < tiles)(lambda: issue(t + stages))
+                plgpu.barrier_wait(v_bars.at[slot])
+                refill(t, issue_k)
+                refill(t, issue_v)
                 return acc, m, l
+
+            s = scores(slot) * scale
+            refill(t, issue_k)  # K's slot is free once S is: its next tile loads under the softmax and P V
+            s = jnp.where(k0 + iota((BLOCK_Q, bk), 1) <= lax.broadcast_in_dim(pos, (BLOCK_Q, bk), (0,)), s,
+                          jnp.full_like(s, -jnp.inf))
+            m_new = jnp.maximum(m, s.max(axis=1))
+            p = jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, (0,)))
+            alpha = jnp.exp(m - m_new)
+            l = l * alpha + p.sum(axis=1)
+            plgpu.barrier_wait(v_bars.at[slot])
 
             @pl.when(last < k0 + bk - 1)  # the tail tile: V rows past the lane's last position to exact zeros
             def _():
@@ -145,15 +164,8 @@ def _kernel(q_gmem, pos_gmem, last_gmem, pt_gmem, k_gmem, v_gmem, o_gmem, m_gmem
                 v_smem.at[slot][...] = jnp.where(k0 + iota((bk, e), 0) <= last, v, jnp.zeros_like(v))
                 plgpu.commit_smem()
 
-            s = scores(slot) * scale
-            s = jnp.where(k0 + iota((BLOCK_Q, bk), 1) <= lax.broadcast_in_dim(pos, (BLOCK_Q, bk), (0,)), s,
-                          jnp.full_like(s, -jnp.inf))
-            m_new = jnp.maximum(m, s.max(axis=1))
-            p = jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, (0,)))
-            alpha = jnp.exp(m - m_new)
-            l = l * alpha + p.sum(axis=1)
             acc = accumulate(acc * lax.broadcast_in_dim(alpha, acc.shape, (0,)), p.astype(v_smem.dtype), slot)
-            pl.when(t + stages < tiles)(lambda: issue(t + stages))  # the slot's MMAs are done: refill it
+            refill(t, issue_v)
             return acc, m_new, l
 
         init = (full((BLOCK_Q, e), 0.0, plgpu.Layout.WGMMA), full((BLOCK_Q,), NEG, row_layout),

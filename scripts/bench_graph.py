@@ -764,6 +764,8 @@ def main():
                     "kernel's options)")
     ap.add_argument("--decode-rows", type=int, default=1, help="decode: rows a step (8: a width-8 lane round's "
                     "verify shape, the engine's default)")
+    ap.add_argument("--decode-context", type=int, default=2048, help="decode: the lane's context (keys before the "
+                    "first step)")
     ap.add_argument("--layers", type=int, default=0, help="decode: truncate the layer count (0 = all 64)")
     ap.add_argument("--decode-modes", default="reference,kernel", help="decode: the paths to time")
     ap.add_argument("--pairs-policy", default="", help="decode: keywords replacing the pair layout's dispatch tiles, "
@@ -823,7 +825,8 @@ def main():
                     if "prompt" not in sections:  # prompt runs it too
                         flash_section()
                 else:
-                    decode_section(layers=a.layers, modes=tuple(a.decode_modes.split(",")), rows=a.decode_rows)
+                    decode_section(context=a.decode_context, layers=a.layers, modes=tuple(a.decode_modes.split(",")),
+                                   rows=a.decode_rows)
             except Exception as e:  # one failing section must not lose the others' numbers
                 import traceback
 

@@ -391,7 +391,7 @@ def attention_candidates(cands, h, g, e, bw):
     from pallas_kernels import attention as pa
     from pallas_kernels import attention_mgpu as am
 
-    for ctx in (2048, 16384, 65536):
+    for ctx in (65536, 16384, 2048):  # the longest first: what a timeout would cut is the least telling
         kvb = 2 * ctx * g * e * 2
         count = max(2, min(16, math.ceil(512e6 / kvb)))
         for t in (1, 8):

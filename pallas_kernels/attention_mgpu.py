@@ -180,9 +180,10 @@ def _kernel(q_gmem, pos_gmem, last_gmem, pt_gmem, k_gmem, v_gmem, o_gmem, m_gmem
         plgpu.SMEM((window,), jnp.int32),
         plgpu.SMEM((stages, bk, e), k_gmem.dtype, transforms=SWIZZLED),
         plgpu.SMEM((stages, bk, e), v_gmem.dtype, transforms=SWIZZLED),
-        plgpu.Barrier(num_arrivals=4),
-        plgpu.Barrier(num_arrivals=per_tile, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=per_tile, num_barriers=stages),
+        # at least two barriers an array: jax 0.11 makes a single barrier a scalar ref, 0.10 a [1] one
+        plgpu.Barrier(num_arrivals=4, num_barriers=2),
+        plgpu.Barrier(num_arrivals=per_tile, num_barriers=max(stages, 2)),
+        plgpu.Barrier(num_arrivals=per_tile, num_barriers=max(stages, 2)),
     )
 
     def store(o_smem, ml_smem):  # the partials through shared memory, 64 columns of o a TMA store

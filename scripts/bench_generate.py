@@ -32,6 +32,8 @@ def timed(llm, prompt, tokens: int, draft: bool, params: dict):
     llm.generate(prompt, max_tokens=8, draft=draft, ignore_eos=True, **params)  # warm the compile cache
     t = time.perf_counter()
     out = llm.generate(prompt, max_tokens=tokens, draft=draft, ignore_eos=True, **params)
+    if out.finish_reason == "error":  # a failed reply's hash proves nothing: stop the table here
+        raise SystemExit(f"reply failed (draft={draft}): {out.error}")
     return len(out.token_ids) / (time.perf_counter() - t), out
 
 

@@ -60,6 +60,20 @@ def test_stop_strings_cut_the_reply(llm):
     assert " 7" not in out.text and out.finish_reason == "stop"
 
 
+def test_a_failed_reply_carries_its_error_and_the_next_one_is_whole(llm, monkeypatch):
+    expected = llm.generate("1, 2, 3,", max_tokens=6).token_ids
+
+    def broken_collect(out):
+        raise RuntimeError("round failed on the device")
+
+    with monkeypatch.context() as m:
+        m.setattr(llm.engine.runner, "collect", broken_collect)
+        failed = llm.generate("1, 2, 3,", max_tokens=6)
+    assert failed.finish_reason == "error" and "round failed on the device" in failed.error
+    again = llm.generate("1, 2, 3,", max_tokens=6)
+    assert again.error is None and again.token_ids == expected
+
+
 def test_unknown_model_name_is_a_clear_error():
     with pytest.raises(FileNotFoundError, match="neither a checkpoint folder nor a packaged model"):
         api.resolve("no-such-model")

@@ -23,6 +23,7 @@ class Generation:
     finish_reason: str
     tokens_per_round: float
     prompt_tokens: int
+    error: str | None = None  # what ended the reply when finish_reason is "error"
 
 
 def resolve(name_or_path: str | Path) -> Path:
@@ -98,7 +99,7 @@ class LLM:
 
     def _reply(self, r: Result) -> Generation:
         return Generation(self.tokenizer.decode(r.token_ids, skip_special_tokens=True), r.token_ids, r.token_sha256,
-                          r.finish_reason, r.tokens_per_round, r.prompt_tokens)
+                          r.finish_reason, r.tokens_per_round, r.prompt_tokens, r.error)
 
     def generate(self, prompt: str | list[dict], **kw) -> Generation:
         """Generate for one prompt (text, or chat messages)."""

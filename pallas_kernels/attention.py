@@ -185,15 +185,11 @@ def paged_attention(
     blocks = bs.group_for(rows)
     group = blocks * bs.block_q  # rows a program
     rows_pad = pl.cdiv(rows, group) * group
-    qr = q.reshape(b, t, g, r, e).transpose(0, 2, 1, 3, 4).reshape(b, g, rows, e)  # row = t * R + head
-    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
-    pos = jnp.broadcast_to(positions[:, :, None], (b, t, r)).reshape(b, rows).astype(jnp.int32)
-    pos = jnp.pad(pos, ((0, 0), (0, rows_pad - rows)), constant_values=-1)
     span = page_table.shape[1] * page  # keys a lane can hold
+    qr, pos = query_rows(q, positions, g, rows_pad, span)
     chunk_k = bs.chunk_for(span, g)
     chunks = pl.cdiv(span, chunk_k)
     pt = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, chunks * chunk_k // page - page_table.shape[1])))
-    pos = jnp.minimum(pos, span - 1)
     pt = jnp.clip(pt, 0, k_pages.shape[0] - 1)  # the engine marks unallocated pages with P: never load past the pool
     qb = rows_pad // group
     p_total = k_pages.shape[0]
@@ -224,6 +220,18 @@ def paged_attention(
         name="paged_attention",
     )(qr, pos, pt, k_pages, v_pages)
     return combine(o, m, l, rows, (b, t, h, e), q.dtype)
+
+
+def query_rows(q, positions, kv_heads: int, rows_pad: int, span: int):
+    """A KV head's query rows (row = t * R + head) padded to `rows_pad`: (q [B, G, rows_pad, E], their positions
+    [B, rows_pad] i32, at most span - 1, -1 on padding rows)."""
+    b, t, h, e = q.shape
+    r = h // kv_heads
+    rows = t * r
+    qr = q.reshape(b, t, kv_heads, r, e).transpose(0, 2, 1, 3, 4).reshape(b, kv_heads, rows, e)
+    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
+    pos = jnp.broadcast_to(jnp.minimum(positions, span - 1)[:, :, None], (b, t, r)).reshape(b, rows)
+    return qr, jnp.pad(pos.astype(jnp.int32), ((0, 0), (0, rows_pad - rows)), constant_values=-1)
 
 
 def combine(o, m, l, rows: int, shape, dtype) -> jax.Array:

@@ -240,17 +240,15 @@ def paged_attention(
     r = h // g
     rows = t * r
     rows_pad = pl.cdiv(rows, BLOCK_Q) * BLOCK_Q
-    qr = q.reshape(b, t, g, r, e).transpose(0, 2, 1, 3, 4).reshape(b, g, rows, e)  # row = t * R + head
-    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
     span = page_table.shape[1] * page
-    pos = jnp.broadcast_to(jnp.minimum(positions, span - 1)[:, :, None], (b, t, r)).reshape(b, rows)
-    pos = jnp.pad(pos.astype(jnp.int32), ((0, 0), (0, rows_pad - rows)), constant_values=-1)
+    qr, pos = triton_attention.query_rows(q, positions, g, rows_pad, span)
     last = jnp.pad(jnp.max(pos, axis=1, keepdims=True), ((0, 0), (0, PT_WINDOW - 1)))
     chunk_k = bs.chunk_for(span, g)
     chunks = pl.cdiv(span, chunk_k)
     window = max(chunk_k // page, PT_WINDOW)
     pt = jnp.clip(page_table.astype(jnp.int32), 0, k_pages.shape[0] - 1)  # unallocated (P): a real page, masked
-    pt = jnp.pad(pt, ((0, 0), (0, (chunks - 1) * (chunk_k // page) + window - page_table.shape[1])))
+    n_pad = -(-((chunks - 1) * (chunk_k // page) + window) // 4) * 4  # every window in range; rows of 16 bytes (TMA)
+    pt = jnp.pad(pt, ((0, 0), (0, n_pad - page_table.shape[1])))
     kernel = functools.partial(_kernel, page=page, chunk_k=chunk_k, scale=e**-0.5, bs=bs, interpret=interpret)
     qb = rows_pad // BLOCK_Q
     # partials of the real rows only (TMA drops a block's rows past the array; m and l keep 16-byte strides); the

@@ -55,17 +55,21 @@ class BlockSizes:
 
     def chunk_for(self, span: int, kv_heads: int) -> int:
         """Keys per program for a lane span of `span` keys."""
-        if not self.chunk_programs:
-            return self.chunk_k
-        chunk = self.block_k
-        while pl.cdiv(span, chunk) * kv_heads > self.chunk_programs:
-            chunk *= 2
-        return chunk
+        return chunk_keys(span, kv_heads, self.block_k, self.chunk_programs) if self.chunk_programs else self.chunk_k
 
     def group_for(self, rows: int) -> int:
         """Blocks a program for `rows` query rows: the fewest programs, then blocks spread evenly over them."""
         blocks = pl.cdiv(rows, self.block_q)
         return pl.cdiv(blocks, pl.cdiv(blocks, self.q_blocks))
+
+
+def chunk_keys(span: int, kv_heads: int, block_k: int, programs: int) -> int:
+    """The fewest keys a chunk (block_k times a power of 2) keeping chunks x KV heads <= `programs` for a lane span
+    of `span` keys: from the span and the KV heads alone, never the rows or the lanes, so row invariance holds."""
+    chunk = block_k
+    while pl.cdiv(span, chunk) * kv_heads > programs:
+        chunk *= 2
+    return chunk
 
 
 DEFAULT = BlockSizes()  # what a call without block_sizes takes (benchmarks A/B it: bench_graph.py --attn-blocks)

@@ -11,8 +11,9 @@ Grid: (query block, key chunk, KV head, lane). A program takes one block of 64 q
 (lane, KV head), the MMA's M, and one chunk of keys at an absolute offset; the chunk's page ids and the block's
 positions come by TMA first, then K and V tiles of `block_k` keys, one TMA copy a page. Per tile: S = Q K^T (the
 MMA, Q and K from shared memory), whose slot then takes the K of `stages` tiles on, the online softmax in float32
-registers, then acc = acc * alpha + P V (P from registers), whose slot then takes the next V. The tile holding the lane's last position has its V rows past it zeroed in shared memory first, so
-what unwritten or unallocated pages hold (NaN included) never reaches a row through 0 * NaN.
+registers, then acc = acc * alpha + P V (P from registers), whose slot then takes the next V. The tile holding the
+lane's last position has its V rows past it zeroed in shared memory first, so what unwritten or unallocated pages
+hold (NaN included) never reaches a row through 0 * NaN.
 
 Row invariance: chunk and tile boundaries are fixed by absolute key position, a row's scores and softmax state
 use only its own q and the keys (an MMA row is its own), and a tile past a row's position is an exact no-op on
@@ -53,8 +54,7 @@ class BlockSizes:
 
     def chunk_for(self, span: int, kv_heads: int) -> int:
         """Keys per program for a lane span of `span` keys (from the span and the KV heads, never the rows)."""
-        return triton_attention.BlockSizes(block_k=self.block_k, chunk_programs=self.chunk_programs).chunk_for(
-            span, kv_heads)
+        return triton_attention.chunk_keys(span, kv_heads, self.block_k, self.chunk_programs)
 
 
 DEFAULT = BlockSizes()
@@ -206,9 +206,10 @@ def _kernel(q_gmem, pos_gmem, last_gmem, pt_gmem, k_gmem, v_gmem, o_gmem, m_gmem
 HEAD_DIMS = (64, 128, 256)
 
 
-def supports(head_dim: int, page: int, bs: BlockSizes = DEFAULT) -> bool:
-    """Whether the kernel serves this head dim and page size (callers take the Triton kernel otherwise)."""
-    return head_dim in HEAD_DIMS and page % 8 == 0 and bs.block_k % page == 0
+def supports(head_dim: int, page: int, dtype, bs: BlockSizes = DEFAULT) -> bool:
+    """Whether the kernel serves this head dim, page size and dtype (q and pages; callers take the Triton kernel
+    otherwise)."""
+    return head_dim in HEAD_DIMS and page % 8 == 0 and bs.block_k % page == 0 and dtype == jnp.bfloat16
 
 
 def _check(q, k_pages, v_pages, page_table, positions, bs: BlockSizes):
@@ -218,8 +219,9 @@ def _check(q, k_pages, v_pages, page_table, positions, bs: BlockSizes):
         raise ValueError(f"the Mosaic GPU attention takes bf16 q and pages, got {q.dtype=} {k_pages.dtype=}")
     if bs.block_k % 64 or bs.block_k % page or page % 8:
         raise ValueError(f"block_k={bs.block_k} must be a multiple of 64 and of {page=}, a multiple of 8")
-    if bs.stages < 1 or bs.probe not in ("", "loads"):
-        raise ValueError(f"stages={bs.stages} must be >= 1, probe {bs.probe!r} one of '', 'loads'")
+    if bs.stages < 1 or bs.chunk_programs < 1 or bs.probe not in ("", "loads"):
+        raise ValueError(f"stages={bs.stages} and chunk_programs={bs.chunk_programs} must be >= 1, probe "
+                         f"{bs.probe!r} one of '', 'loads'")
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))

@@ -64,6 +64,12 @@ def test_lowers_to_mosaic_gpu_for_cuda(bs):
     assert "mosaic_gpu" in text
 
 
+def test_supports_names_what_the_dispatch_may_send():
+    assert am.supports(256, 16, jnp.bfloat16) and am.supports(64, 64, jnp.bfloat16)
+    assert not am.supports(256, 16, jnp.float32)  # bf16 q and pages only
+    assert not am.supports(96, 16, jnp.bfloat16) and not am.supports(256, 4, jnp.bfloat16)
+
+
 def test_bad_inputs_raise_naming_the_value():
     rng = np.random.default_rng(4)
     q, kp, vp, pt, pos = _case(rng, 1, 1, 4, 2, 64, 4, 16, jnp.bfloat16)

@@ -303,7 +303,7 @@ def paged_attention(q: jax.Array, pages: KVPages, page_table: jax.Array, positio
         if not rows and ops.flash_prompts() and e in fa.HEAD_DIMS:
             k, v = gather_pages(pages, page_table)
             return fa.flash_attention(q, k, v, positions)
-        if ops.mgpu_attention() and q.dtype == pages.k.dtype == jnp.bfloat16 and mgpu_attn.supports(e, pages.k.shape[1]):
+        if ops.mgpu_attention() and q.dtype == pages.k.dtype and mgpu_attn.supports(e, pages.k.shape[1], q.dtype):
             return mgpu_attn.paged_attention(q, pages.k, pages.v, page_table, positions)
         if pk.supports(e):
             return pk.paged_attention(q, pages.k, pages.v, page_table, positions)

@@ -180,11 +180,10 @@ def _kernel(q_gmem, pos_gmem, last_gmem, pt_gmem, k_gmem, v_gmem, o_gmem, m_gmem
         plgpu.SMEM((window,), jnp.int32),
         plgpu.SMEM((stages, bk, e), k_gmem.dtype, transforms=SWIZZLED),
         plgpu.SMEM((stages, bk, e), v_gmem.dtype, transforms=SWIZZLED),
-        # at least two barriers an array: a guess at the trace failure seen under jax 0.11.2 (a 0-d ref indexed),
-        # unverified there (docs/device.md, tenth run)
-        plgpu.Barrier(num_arrivals=4, num_barriers=2),
-        plgpu.Barrier(num_arrivals=per_tile, num_barriers=max(stages, 2)),
-        plgpu.Barrier(num_arrivals=per_tile, num_barriers=max(stages, 2)),
+        # num_barriers always given: since jax 0.11.2 a Barrier without it is a 0-d ref, which `.at[0]` can't index
+        plgpu.Barrier(num_arrivals=4, num_barriers=1),
+        plgpu.Barrier(num_arrivals=per_tile, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=per_tile, num_barriers=stages),
     )
 
     def store(o_smem, ml_smem):  # the partials through shared memory, 64 columns of o a TMA store

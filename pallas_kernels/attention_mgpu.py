@@ -203,12 +203,20 @@ def _kernel(q_gmem, pos_gmem, last_gmem, pt_gmem, k_gmem, v_gmem, o_gmem, m_gmem
 
 
 HEAD_DIMS = (64, 128, 256)
+SMEM_BYTES = 227 * 1024  # shared memory a Hopper block may take
+
+
+def smem_bytes(head_dim: int, window: int, bs: BlockSizes) -> int:
+    """Shared memory of the main loop: the query block, K and V stages, positions, page ids, and 6 KB for barriers,
+    alignment and Mosaic's own (its lowering counted 4.6 KB more than the buffers at head dim 256, 3 stages)."""
+    return 2 * (BLOCK_Q + 2 * bs.stages * bs.block_k) * head_dim + 4 * (BLOCK_Q + PT_WINDOW + window) + 6 * 1024
 
 
 def supports(head_dim: int, page: int, dtype, bs: BlockSizes = DEFAULT) -> bool:
     """Whether the kernel serves this head dim, page size and dtype (q and pages; callers take the Triton kernel
     otherwise)."""
-    return head_dim in HEAD_DIMS and page % 8 == 0 and bs.block_k % page == 0 and dtype == jnp.bfloat16
+    return (head_dim in HEAD_DIMS and page % 8 == 0 and bs.block_k % page == 0 and dtype == jnp.bfloat16
+            and smem_bytes(head_dim, 1024, bs) <= SMEM_BYTES)
 
 
 def _check(q, k_pages, v_pages, page_table, positions, bs: BlockSizes):
@@ -221,6 +229,10 @@ def _check(q, k_pages, v_pages, page_table, positions, bs: BlockSizes):
     if bs.stages < 1 or bs.chunk_programs < 1 or bs.probe not in ("", "loads"):
         raise ValueError(f"stages={bs.stages} and chunk_programs={bs.chunk_programs} must be >= 1, probe "
                          f"{bs.probe!r} one of '', 'loads'")
+    window = max(bs.chunk_for(page_table.shape[1] * page, k_pages.shape[2]) // page, PT_WINDOW)
+    if (need := smem_bytes(q.shape[-1], window, bs)) > SMEM_BYTES:
+        raise ValueError(f"stages={bs.stages} of block_k={bs.block_k} at head dim {q.shape[-1]} need {need} bytes of "
+                         f"shared memory, more than {SMEM_BYTES}")
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))

@@ -68,6 +68,8 @@ def test_supports_names_what_the_dispatch_may_send():
     assert am.supports(256, 16, jnp.bfloat16) and am.supports(64, 64, jnp.bfloat16)
     assert not am.supports(256, 16, jnp.float32)  # bf16 q and pages only
     assert not am.supports(96, 16, jnp.bfloat16) and not am.supports(256, 4, jnp.bfloat16)
+    assert not am.supports(256, 16, jnp.bfloat16, am.BlockSizes(stages=3))  # K and V stages past shared memory
+    assert am.supports(128, 16, jnp.bfloat16, am.BlockSizes(stages=3))
 
 
 def test_bad_inputs_raise_naming_the_value():
@@ -79,6 +81,9 @@ def test_bad_inputs_raise_naming_the_value():
         am.paged_attention(q.astype(jnp.float32), kp, vp, pt, pos, interpret=True)
     with pytest.raises(ValueError, match="probe 'dots'"):
         am.paged_attention(q, kp, vp, pt, pos, block_sizes=am.BlockSizes(probe="dots"), interpret=True)
+    q, kp, vp, pt, pos = _case(rng, 1, 1, 4, 2, 256, 4, 16, jnp.bfloat16)
+    with pytest.raises(ValueError, match="shared memory"):
+        am.paged_attention(q, kp, vp, pt, pos, block_sizes=am.BlockSizes(stages=3), interpret=True)
 
 
 @pytest.mark.gpu

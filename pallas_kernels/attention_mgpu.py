@@ -49,7 +49,8 @@ class BlockSizes:
     block_k: int = 64  # keys a tile: a multiple of the page size and of 64 (the V tail's mask is a 64-row layout)
     stages: int = 2  # key tiles in flight (K and V of 64 keys at head dim 256: 64 KB a stage)
     # chunk policy as the Triton kernel's: the fewest keys a chunk keeping chunks x KV heads <= this many programs
-    chunk_programs: int = 264
+    # (one program an SM at head dim 256: 132 beat 264 by 6-16% at 16k-64k on the H100, eleventh run)
+    chunk_programs: int = 132
     probe: str = ""  # timing probe (wrong results): "loads" moves every tile by TMA, no dots or softmax
 
     def chunk_for(self, span: int, kv_heads: int) -> int:
@@ -265,9 +266,11 @@ def paged_attention(
     pt = jnp.pad(pt, ((0, 0), (0, n_pad - page_table.shape[1])))
     kernel = functools.partial(_kernel, page=page, chunk_k=chunk_k, scale=e**-0.5, bs=bs, interpret=interpret)
     qb = rows_pad // BLOCK_Q
-    # partials of the real rows only (TMA drops a block's rows past the array; m and l keep 16-byte strides); the
+    # o of the real rows only (TMA drops a block's rows past the array; Mosaic takes fewer than 8 rows or a multiple
+    # of 8); m and l whole blocks: a 1-D TMA store past the rows spilled into the next chunk's (H100, jax 0.11.2); the
     # interpreter takes no block past an array's end
-    o_rows, ml_rows = (rows_pad, rows_pad) if interpret else (rows, pl.cdiv(rows, 4) * 4)
+    o_rows = rows_pad if interpret else min(rows if rows < 8 else pl.cdiv(rows, 8) * 8, rows_pad)
+    ml_rows = rows_pad
     o, m, l = plgpu.kernel(
         kernel,
         out_type=[

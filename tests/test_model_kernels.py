@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import pytest
 from flax import nnx
 from jax.experimental import pallas as pl
 
+from pallas_kernels import attention_mgpu as am
 from pallas_kernels import qmatmul_mgpu as mg
 from tests.helpers import rel_err, spy_interpreted
 from tfjax import geometry, models, ops
@@ -41,7 +43,9 @@ def _prompt_then_step(mode: str):
         ops.set_kernels("auto")
 
 
-def test_whole_model_through_the_gpu_dispatch_gives_the_reference_paths_logits(monkeypatch):
+@pytest.mark.parametrize("mgpu_attention", ["1", "0"], ids=["mosaic-attention", "triton-attention"])
+def test_whole_model_through_the_gpu_dispatch_gives_the_reference_paths_logits(monkeypatch, mgpu_attention):
+    monkeypatch.setenv("TFJAX_ATTENTION_MGPU", mgpu_attention)
     names = []
     pallas_call = pl.pallas_call
 
@@ -51,13 +55,15 @@ def test_whole_model_through_the_gpu_dispatch_gives_the_reference_paths_logits(m
 
     monkeypatch.setattr(pl, "pallas_call", interpreted)
     parts = spy_interpreted(monkeypatch, mg, "qmatmul_parts", lambda args, kw: args[1].shape)
+    mosaic_attention = spy_interpreted(monkeypatch, am, "paged_attention", lambda args, kw: args[0].shape)
     want = _prompt_then_step("reference")
-    assert names == [] and parts == []
+    assert names == [] and parts == [] and mosaic_attention == []
     try:
         got = _prompt_then_step("kernel")
     finally:
         jax.clear_caches()  # jitted kernels traced with the interpreter inside must not serve later traces
-    assert {"row_norm_rms_offset", "row_norm_gated", "paged_attention"} <= set(names), set(names)
+    assert {"row_norm_rms_offset", "row_norm_gated"} <= set(names), set(names)
+    assert ("paged_attention" in names) == (mgpu_attention == "0") and bool(mosaic_attention) == (mgpu_attention == "1")
     assert any("conv" in n for n in names) and any("delta" in n for n in names), set(names)
     assert len(parts) >= 4 * CONFIG.num_hidden_layers  # every 4-bit linear, the lm_head too, on the Mosaic kernel
     assert got.shape == want.shape == (1, 6, CONFIG.vocab_size)
@@ -90,5 +96,8 @@ def test_a_lowered_step_holds_one_mosaic_kernel_per_matmul_shape():
             lowering_platforms=("cuda",)).as_text()
     finally:
         ops.set_kernels("auto")
-    kernels = len(re.findall(r"custom_call @mosaic_gpu", text))
+    calls = [line for line in text.splitlines() if re.search(r"custom_call @mosaic_gpu", line)]
+    attention = sum("paged_attention_mgpu" in line for line in calls)  # one attention kernel per layer shape
+    assert attention == 1, attention
+    kernels = len(calls) - attention
     assert kernels == len(set(served)) < len(served), (kernels, len(set(served)), len(served))

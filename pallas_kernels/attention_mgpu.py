@@ -5,7 +5,8 @@ The same contract as `attention.paged_attention` (shapes, causal rows, GQA, the 
 the Mosaic matmul is: each key tile's pages arrive by TMA into shared memory `stages` tiles ahead of the MMAs, so
 the reads stay in flight while the dots and the softmax run. The Triton kernel gathers a tile's pages with
 computed pointers through registers; at 64k and 8 rows it moved the KV bytes at half the copy rate (H200,
-docs/benchmarks.md, ninth run).
+docs/benchmarks.md, ninth run). This one reads them at the copy rate at 64k, 1.5-1.7x Triton's speed at 16k-64k
+and 1.1-1.2x at 2k (H100, eleventh run); the dispatch takes it wherever `supports()` holds.
 
 Grid: (query block, key chunk, KV head, lane). A program takes one block of 64 query rows (row, head) of one
 (lane, KV head), the MMA's M, and one chunk of keys at an absolute offset; the chunk's page ids and the block's

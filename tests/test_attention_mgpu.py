@@ -34,6 +34,13 @@ def test_interpret_verify_rows_gqa_match_reference(e, h, g, t, bs):
     _check(_case(rng, 2, t, h, g, e, 20, 16, jnp.bfloat16), bs, True)
 
 
+@pytest.mark.parametrize("page", [8, 32, 64])
+def test_interpret_page_sizes_the_dispatch_may_send_match_reference(page):
+    rng = np.random.default_rng(page)
+    assert am.supports(64, page, jnp.bfloat16)
+    _check(_case(rng, 2, 4, 4, 2, 64, 256 // page, page, jnp.bfloat16), None, True)
+
+
 def test_interpret_rows_bit_identical_to_each_row_alone():
     rng = np.random.default_rng(3)
     q, kp, vp, pt, pos = _case(rng, 1, 5, 4, 2, 64, 8, 16, jnp.bfloat16, [[60, 61, 62, 63, 64]])

@@ -274,7 +274,9 @@ def verify_rows(ctx, t, h, e, seed):
     return q, (ctx - t + jnp.arange(t, dtype=jnp.int32))[None]
 
 
-def kv_sets(ctx, count, g=4, e=256, page=16, seed=0):
+def kv_sets(ctx, count, g=4, e=256, page=16, seed=0, span=0):
+    """`count` KV pools of `ctx` keys in shuffled pages; a `span` past ctx widens the page table with unallocated
+    entries (the pool's size), as a lane of a longer-context engine holding ctx tokens."""
     import jax
     import jax.numpy as jnp
 
@@ -284,12 +286,14 @@ def kv_sets(ctx, count, g=4, e=256, page=16, seed=0):
         k1, k2 = jax.random.split(jax.random.key(seed + i))
         kp = jax.random.normal(k1, (n, page, g, e), jnp.bfloat16)
         vp = jax.random.normal(k2, (n, page, g, e), jnp.bfloat16)
-        pt = jax.random.permutation(jax.random.key(seed + 77 + i), n).astype(jnp.int32)[None]
+        pt = jax.random.permutation(jax.random.key(seed + 77 + i), n).astype(jnp.int32)
+        pt = jnp.concatenate([pt, jnp.full((max(span // page - n, 0),), n, jnp.int32)])[None]
         out.append((kp, vp, pt))
     return out
 
 
 ATTN_CANDS: list[dict] = []  # --attn-cands
+ATTN_SPAN = [0]  # --attn-span: the candidates' page tables span this many keys whatever the context
 
 
 def attention_section(sweep: bool | str):
@@ -407,7 +411,7 @@ def attention_candidates(cands, h, g, e, bw):
             q, pos = verify_rows(ctx, t, h, e, seed=t)
             for label in cands:
                 kw = dict(label)
-                sets = kv_sets(ctx, count, page=kw.pop("page", 16))
+                sets = kv_sets(ctx, count, page=kw.pop("page", 16), span=ATTN_SPAN[0])
                 mod = am if kw.pop("kernel", "triton") == "mgpu" else pa
                 bs = mod.BlockSizes(**kw)
                 f = lambda q, kp, vp, pt, pos, bs=bs, mod=mod: mod.paged_attention(q, kp, vp, pt, pos, block_sizes=bs)
@@ -785,10 +789,13 @@ def main():
                     "attention section), e.g. \"dict(q_blocks=1)\"")
     ap.add_argument("--attn-cands", default="", help="attention: instead of the table, device time of each "
                     "candidate, e.g. \"[dict(), dict(probe='loads'), dict(num_stages=1, page=64)]\"")
+    ap.add_argument("--attn-span", type=int, default=0, help="attention candidates: page tables spanning this many "
+                    "keys at every context (a short context in a long-context engine's lane)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.attn_cands:
         ATTN_CANDS.extend(eval(a.attn_cands))  # noqa: S307 (a benchmark's own flag)
+    ATTN_SPAN[0] = a.attn_span
     if a.mgpu_policy:
         from pallas_kernels import qmatmul_mgpu
 

@@ -52,10 +52,13 @@ class BlockSizes:
     # chunk policy as the Triton kernel's: the fewest keys a chunk keeping chunks x KV heads <= this many programs
     # (one program an SM at head dim 256: 132 beat 264 by 6-16% at 16k-64k on the H100, eleventh run)
     chunk_programs: int = 132
+    chunk_k: int = 0  # keys a chunk fixed whatever the span (a multiple of block_k) instead of the policy; 0: policy
     probe: str = ""  # timing probe (wrong results): "loads" moves every tile by TMA, no dots or softmax
 
     def chunk_for(self, span: int, kv_heads: int) -> int:
         """Keys per program for a lane span of `span` keys (from the span and the KV heads, never the rows)."""
+        if self.chunk_k:
+            return self.chunk_k
         return triton_attention.chunk_keys(span, kv_heads, self.block_k, self.chunk_programs)
 
 
@@ -228,6 +231,8 @@ def _check(q, k_pages, v_pages, page_table, positions, bs: BlockSizes):
         raise ValueError(f"the Mosaic GPU attention takes bf16 q and pages, got {q.dtype=} {k_pages.dtype=}")
     if bs.block_k % 64 or bs.block_k % page or page % 8:
         raise ValueError(f"block_k={bs.block_k} must be a multiple of 64 and of {page=}, a multiple of 8")
+    if bs.chunk_k % bs.block_k:
+        raise ValueError(f"chunk_k={bs.chunk_k} must be a multiple of block_k={bs.block_k}")
     if bs.stages < 1 or bs.chunk_programs < 1 or bs.probe not in ("", "loads"):
         raise ValueError(f"stages={bs.stages} and chunk_programs={bs.chunk_programs} must be >= 1, probe "
                          f"{bs.probe!r} one of '', 'loads'")

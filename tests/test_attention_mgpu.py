@@ -41,6 +41,16 @@ def test_interpret_page_sizes_the_dispatch_may_send_match_reference(page):
     _check(_case(rng, 2, 4, 4, 2, 64, 256 // page, page, jnp.bfloat16), None, True)
 
 
+def test_interpret_fixed_chunks_over_a_wide_page_table_match_reference():
+    """A short context in a lane whose page table spans more (unallocated entries), chunks of a fixed size."""
+    rng = np.random.default_rng(9)
+    q, kp, vp, pt, _ = _case(rng, 1, 3, 4, 2, 64, 10, 16, jnp.bfloat16)
+    table = jnp.concatenate([pt, jnp.full((1, 22), kp.shape[0], jnp.int32)], axis=1)  # 32 pages, 10 allocated
+    positions = jnp.asarray([[150, 151, 152]], jnp.int32)
+    for bs in (am.DEFAULT, am.BlockSizes(chunk_k=128)):
+        _check((q, kp, vp, table, positions), bs, True)
+
+
 def test_interpret_rows_bit_identical_to_each_row_alone():
     rng = np.random.default_rng(3)
     q, kp, vp, pt, pos = _case(rng, 1, 5, 4, 2, 64, 8, 16, jnp.bfloat16, [[60, 61, 62, 63, 64]])
@@ -86,6 +96,8 @@ def test_bad_inputs_raise_naming_the_value():
         am.paged_attention(q, kp, vp, pt, pos, block_sizes=am.BlockSizes(block_k=96), interpret=True)
     with pytest.raises(ValueError, match="bf16"):
         am.paged_attention(q.astype(jnp.float32), kp, vp, pt, pos, interpret=True)
+    with pytest.raises(ValueError, match="chunk_k=96"):
+        am.paged_attention(q, kp, vp, pt, pos, block_sizes=am.BlockSizes(chunk_k=96), interpret=True)
     with pytest.raises(ValueError, match="probe 'dots'"):
         am.paged_attention(q, kp, vp, pt, pos, block_sizes=am.BlockSizes(probe="dots"), interpret=True)
     q, kp, vp, pt, pos = _case(rng, 1, 1, 4, 2, 256, 4, 16, jnp.bfloat16)

@@ -221,7 +221,7 @@ def supports(head_dim: int, page: int, dtype, bs: BlockSizes = DEFAULT) -> bool:
     """Whether the kernel serves this head dim, page size and dtype (q and pages; callers take the Triton kernel
     otherwise)."""
     return (head_dim in HEAD_DIMS and page % 8 == 0 and bs.block_k % page == 0 and dtype == jnp.bfloat16
-            and smem_bytes(head_dim, 1024, bs) <= SMEM_BYTES)
+            and smem_bytes(head_dim, 1024, bs) <= SMEM_BYTES)  # page ids of a 16k-key chunk of 16-key pages
 
 
 def _check(q, k_pages, v_pages, page_table, positions, bs: BlockSizes):

@@ -115,7 +115,8 @@ def test_gpu_decode_ragged_lengths_match_reference(positions):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("e,h,g,t,bs", [(64, 8, 2, 1, am.DEFAULT), (128, 16, 4, 7, am.BlockSizes(stages=3)),
-                                        (256, 24, 4, 16, am.DEFAULT), (256, 24, 4, 8, am.BlockSizes(block_k=128, stages=1))])
+                                        (256, 24, 4, 16, am.DEFAULT),
+                                        (256, 24, 4, 8, am.BlockSizes(block_k=128, stages=1))])
 def test_gpu_verify_rows_match_reference(e, h, g, t, bs):
     rng = np.random.default_rng(e + t)
     _check(_case(rng, 2, t, h, g, e, 200, 16, jnp.bfloat16), bs, False)

@@ -254,6 +254,17 @@ def paged_attention(
     interpret: bool = False,
 ) -> jax.Array:
     """Causal GQA attention of q rows over a lane's pages: ``[B, T, H, E]`` bf16 (as `attention.paged_attention`)."""
+    o, m, l = paged_partials(q, k_pages, v_pages, page_table, positions, block_sizes=block_sizes,
+                             interpret=interpret)
+    rows = q.shape[1] * (q.shape[2] // k_pages.shape[2])
+    return triton_attention.combine(o, m, l, rows, q.shape, q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
+def paged_partials(q, k_pages, v_pages, page_table, positions, *, block_sizes: BlockSizes | None = None,
+                   interpret: bool = False):
+    """The kernel alone: each chunk's partials for the query rows (row = t * R + head of a KV head), o [B, G, C,
+    rows', E] f32 unnormalised, m and l [B, G, C, rows'] f32, rows' >= the real rows (past them: no meaning)."""
     bs = block_sizes or DEFAULT
     _check(q, k_pages, v_pages, page_table, positions, bs)
     b, t, h, e = q.shape
@@ -289,7 +300,7 @@ def paged_attention(
         kernel_name="paged_attention_mgpu",
         interpret=_interpret_params() if interpret else None,
     )(qr, pos, last, pt, k_pages, v_pages)
-    return triton_attention.combine(o, m[..., :o.shape[3]], l[..., :o.shape[3]], rows, (b, t, h, e), q.dtype)
+    return o, m[..., :o_rows], l[..., :o_rows]
 
 
 def _interpret_params():

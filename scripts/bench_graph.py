@@ -396,9 +396,9 @@ def attention_section(sweep: bool | str):
 
 
 def attention_candidates(cands, h, g, e, bw):
-    """Device time of each candidate (BlockSizes keywords, plus `page`: the cache's page size, and `kernel`: "mgpu"
-    for the Mosaic GPU kernel) at every context and 1 and 8 rows, in one process: A/B rows of one table (a probe's
-    errors are meaningless)."""
+    """Device time of each candidate (BlockSizes keywords, plus `page`: the cache's page size, `kernel`: "mgpu"
+    for the Mosaic GPU kernel, `parts`: that kernel without the combine) at every context and 1 and 8 rows, in one
+    process: A/B rows of one table (a probe's errors are meaningless)."""
     import jax
 
     from pallas_kernels import attention as pa
@@ -413,11 +413,13 @@ def attention_candidates(cands, h, g, e, bw):
                 kw = dict(label)
                 sets = kv_sets(ctx, count, page=kw.pop("page", 16), span=ATTN_SPAN[0])
                 mod = am if kw.pop("kernel", "triton") == "mgpu" else pa
+                parts = kw.pop("parts", False)  # the Mosaic kernel alone, without the combine (no error to check)
                 bs = mod.BlockSizes(**kw)
-                f = lambda q, kp, vp, pt, pos, bs=bs, mod=mod: mod.paged_attention(q, kp, vp, pt, pos, block_sizes=bs)
+                fn = am.paged_partials if parts else mod.paged_attention
+                f = lambda q, kp, vp, pt, pos, bs=bs, fn=fn: fn(q, kp, vp, pt, pos, block_sizes=bs)
                 args = [(q, *s, pos) for s in sets]
                 try:
-                    err = rel_err(f(*args[0]), pa.reference(*args[0]))
+                    err = math.nan if parts else rel_err(f(*args[0]), pa.reference(*args[0]))
                     dev = device_time(jax.jit(lambda args, f=f: [f(*a) for a in args]), (args,), None,
                                       per_call=len(args))
                 except Exception as ex:  # a config Triton refuses is a row, not the end of the run

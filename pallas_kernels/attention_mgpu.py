@@ -65,6 +65,11 @@ class BlockSizes:
 DEFAULT = BlockSizes()
 
 
+def page_window(chunk_k: int, page: int) -> int:
+    """Page ids a program reads: its chunk's, at least PT_WINDOW."""
+    return max(chunk_k // page, PT_WINDOW)
+
+
 def _kernel(q_gmem, pos_gmem, last_gmem, pt_gmem, k_gmem, v_gmem, o_gmem, m_gmem, l_gmem, *, page, chunk_k, scale,
             bs: BlockSizes, interpret: bool):
     # q_gmem [B, G, rows_pad, E] bf16; pos_gmem [B, rows_pad] i32 (-1: padding); last_gmem [B, 32] i32 (the lane's
@@ -74,7 +79,7 @@ def _kernel(q_gmem, pos_gmem, last_gmem, pt_gmem, k_gmem, v_gmem, o_gmem, m_gmem
     e = q_gmem.shape[-1]
     bk, stages = bs.block_k, bs.stages
     per_tile = bk // page
-    window = max(chunk_k // page, PT_WINDOW)
+    window = page_window(chunk_k, page)
     start = c * chunk_k
     rows = pl.ds(qi * BLOCK_Q, BLOCK_Q)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -236,7 +241,7 @@ def _check(q, k_pages, v_pages, page_table, positions, bs: BlockSizes):
     if bs.stages < 1 or bs.chunk_programs < 1 or bs.probe not in ("", "loads"):
         raise ValueError(f"stages={bs.stages} and chunk_programs={bs.chunk_programs} must be >= 1, probe "
                          f"{bs.probe!r} one of '', 'loads'")
-    window = max(bs.chunk_for(page_table.shape[1] * page, k_pages.shape[2]) // page, PT_WINDOW)
+    window = page_window(bs.chunk_for(page_table.shape[1] * page, k_pages.shape[2]), page)
     if (need := smem_bytes(q.shape[-1], window, bs)) > SMEM_BYTES:
         raise ValueError(f"stages={bs.stages} of block_k={bs.block_k} at head dim {q.shape[-1]} need {need} bytes of "
                          f"shared memory, more than {SMEM_BYTES}")
@@ -277,7 +282,7 @@ def paged_partials(q, k_pages, v_pages, page_table, positions, *, block_sizes: B
     last = jnp.pad(jnp.max(pos, axis=1, keepdims=True), ((0, 0), (0, PT_WINDOW - 1)))
     chunk_k = bs.chunk_for(span, g)
     chunks = pl.cdiv(span, chunk_k)
-    window = max(chunk_k // page, PT_WINDOW)
+    window = page_window(chunk_k, page)
     pt = jnp.clip(page_table.astype(jnp.int32), 0, k_pages.shape[0] - 1)  # unallocated (P): a real page, masked
     n_pad = -(-((chunks - 1) * (chunk_k // page) + window) // 4) * 4  # every window in range; rows of 16 bytes (TMA)
     pt = jnp.pad(pt, ((0, 0), (0, n_pad - page_table.shape[1])))

@@ -362,10 +362,10 @@ def attention_section(sweep: bool | str):
         attention_candidates(ATTN_CANDS, h, g, e, bw)
         return
     from pallas_kernels import attention_mgpu as am
-    from tfjax import ops
+    from tfjax.models.layers import mosaic_attention_serves
 
     # the table times what the engine serves: the Mosaic kernel where the dispatch takes it, unless a sweep chose
-    mosaic = not sweep and ops.mgpu_attention() and am.supports(e, 16, jnp.bfloat16)
+    mosaic = not sweep and mosaic_attention_serves(e, 16, jnp.bfloat16, jnp.bfloat16)
     RESULTS["attn_kernel"] = "mosaic" if mosaic else "triton"
     print(f"  attention kernel: {RESULTS['attn_kernel']}", flush=True)
     for ctx in (2048, 16384, 65536):

@@ -286,6 +286,13 @@ def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax
     return o.reshape(b, t, h, e).astype(q.dtype)
 
 
+def mosaic_attention_serves(head_dim: int, page: int, q_dtype, kv_dtype) -> bool:
+    """Whether lane-round rows take the Mosaic GPU attention: its switch on and the kernel serving the shape."""
+    from pallas_kernels import attention_mgpu
+
+    return ops.mgpu_attention() and q_dtype == kv_dtype and attention_mgpu.supports(head_dim, page, q_dtype)
+
+
 def paged_attention(q: jax.Array, pages: KVPages, page_table: jax.Array, positions: jax.Array,
                     rows: bool = False) -> jax.Array:
     """Attention of q rows over a lane's pages (kernels on GPU, reference elsewhere).
@@ -303,7 +310,7 @@ def paged_attention(q: jax.Array, pages: KVPages, page_table: jax.Array, positio
         if not rows and ops.flash_prompts() and e in fa.HEAD_DIMS:
             k, v = gather_pages(pages, page_table)
             return fa.flash_attention(q, k, v, positions)
-        if ops.mgpu_attention() and q.dtype == pages.k.dtype and mgpu_attn.supports(e, pages.k.shape[1], q.dtype):
+        if mosaic_attention_serves(e, pages.k.shape[1], q.dtype, pages.k.dtype):
             return mgpu_attn.paged_attention(q, pages.k, pages.v, page_table, positions)
         if pk.supports(e):
             return pk.paged_attention(q, pages.k, pages.v, page_table, positions)

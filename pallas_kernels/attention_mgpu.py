@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import attention as triton_attention
+from pallas_kernels import attention_combine
 
 BLOCK_Q = 64  # query rows a program: the MMA's M
 NEG = triton_attention.NEG
@@ -53,6 +54,9 @@ class BlockSizes:
     # (one program an SM at head dim 256: 132 beat 264 by 6-16% at 16k-64k on the H100, eleventh run)
     chunk_programs: int = 132
     chunk_k: int = 0  # keys a chunk fixed whatever the span (a multiple of block_k) instead of the policy; 0: policy
+    # the partials' combine: "kernel" (attention_combine, one launch) or "xla" (attention.combine, three fusions;
+    # H100 twelfth run: 5 us at one row, 8 at 8 rows)
+    combine: str = "kernel"
     probe: str = ""  # timing probe (wrong results): "loads" moves every tile by TMA, no dots or softmax
 
     def chunk_for(self, span: int, kv_heads: int) -> int:
@@ -73,8 +77,8 @@ def page_window(chunk_k: int, page: int) -> int:
 def _kernel(q_gmem, pos_gmem, last_gmem, pt_gmem, k_gmem, v_gmem, o_gmem, m_gmem, l_gmem, *, page, chunk_k, scale,
             bs: BlockSizes, interpret: bool):
     # q_gmem [B, G, rows_pad, E] bf16; pos_gmem [B, rows_pad] i32 (-1: padding); last_gmem [B, 32] i32 (the lane's
-    # last position at 0); pt_gmem [B, n_pad] i32; k_gmem, v_gmem [P, page, G, E]; o_gmem [B, G, C, rows, E]
-    # f32 (unnormalised); m_gmem, l_gmem [B, G, C, rows rounded up to 4] f32
+    # last position at 0); pt_gmem [B, n_pad] i32 (P or more: unallocated); k_gmem, v_gmem [P, page, G, E]; o_gmem
+    # [B, G, Cp, rows, E] f32 (unnormalised); m_gmem, l_gmem [B, G, Cp, rows_pad] f32 (chunks past C: unwritten)
     qi, c, j, b = (lax.axis_index(n) for n in ("q", "c", "g", "b"))
     e = q_gmem.shape[-1]
     bk, stages = bs.block_k, bs.stages
@@ -108,7 +112,7 @@ def _kernel(q_gmem, pos_gmem, last_gmem, pt_gmem, k_gmem, v_gmem, o_gmem, m_gmem
         def issue(t, pages_gmem, pages_smem, bars):  # tile t's K or V pages into its slot, one TMA copy a page
             slot = lax.rem(t, stages)
             for p in range(per_tile):
-                pid = pt_smem[t * per_tile + p]
+                pid = jnp.clip(pt_smem[t * per_tile + p], 0, k_gmem.shape[0] - 1)  # unallocated: a real page, masked
                 plgpu.copy_gmem_to_smem(pages_gmem.at[pid, :, j], pages_smem.at[slot, pl.ds(p * page, page)],
                                         bars.at[slot])
 
@@ -238,9 +242,9 @@ def _check(q, k_pages, v_pages, page_table, positions, bs: BlockSizes):
         raise ValueError(f"block_k={bs.block_k} must be a multiple of 64 and of {page=}, a multiple of 8")
     if bs.chunk_k % bs.block_k:
         raise ValueError(f"chunk_k={bs.chunk_k} must be a multiple of block_k={bs.block_k}")
-    if bs.stages < 1 or bs.chunk_programs < 1 or bs.probe not in ("", "loads"):
+    if bs.stages < 1 or bs.chunk_programs < 1 or bs.probe not in ("", "loads") or bs.combine not in ("kernel", "xla"):
         raise ValueError(f"stages={bs.stages} and chunk_programs={bs.chunk_programs} must be >= 1, probe "
-                         f"{bs.probe!r} one of '', 'loads'")
+                         f"{bs.probe!r} one of '', 'loads', combine {bs.combine!r} 'kernel' or 'xla'")
     window = page_window(bs.chunk_for(page_table.shape[1] * page, k_pages.shape[2]), page)
     if (need := smem_bytes(q.shape[-1], window, bs)) > SMEM_BYTES:
         raise ValueError(f"stages={bs.stages} of block_k={bs.block_k} at head dim {q.shape[-1]} need {need} bytes of "
@@ -259,10 +263,16 @@ def paged_attention(
     interpret: bool = False,
 ) -> jax.Array:
     """Causal GQA attention of q rows over a lane's pages: ``[B, T, H, E]`` bf16 (as `attention.paged_attention`)."""
-    o, m, l = paged_partials(q, k_pages, v_pages, page_table, positions, block_sizes=block_sizes,
-                             interpret=interpret)
-    rows = q.shape[1] * (q.shape[2] // k_pages.shape[2])
-    return triton_attention.combine(o, m, l, rows, q.shape, q.dtype)
+    bs = block_sizes or DEFAULT
+    o, m, l, chunks = _partials(q, k_pages, v_pages, page_table, positions, bs, interpret)
+    b, t, h, e = q.shape
+    g = k_pages.shape[2]
+    rows = t * (h // g)
+    if bs.combine == "xla":
+        return triton_attention.combine(o[:, :, :chunks], m[:, :, :chunks, : o.shape[3]],
+                                        l[:, :, :chunks, : o.shape[3]], rows, q.shape, q.dtype)
+    out = attention_combine.combine(o, m, l, chunks=chunks, dtype=q.dtype, interpret=interpret)
+    return out[:, :, :rows].reshape(b, g, t, h // g, e).transpose(0, 2, 1, 3, 4).reshape(b, t, h, e)
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
@@ -270,7 +280,14 @@ def paged_partials(q, k_pages, v_pages, page_table, positions, *, block_sizes: B
                    interpret: bool = False):
     """The kernel alone: each chunk's partials for the query rows (row = t * R + head of a KV head), o [B, G, C,
     rows', E] f32 unnormalised, m and l [B, G, C, rows'] f32, rows' >= the real rows (past them: no meaning)."""
-    bs = block_sizes or DEFAULT
+    o, m, l, chunks = _partials(q, k_pages, v_pages, page_table, positions, block_sizes or DEFAULT, interpret)
+    return o[:, :, :chunks], m[:, :, :chunks, : o.shape[3]], l[:, :, :chunks, : o.shape[3]]
+
+
+def _partials(q, k_pages, v_pages, page_table, positions, bs: BlockSizes, interpret: bool):
+    """The kernel's outputs as written: (o [B, G, Cp, rows', E], m and l [B, G, Cp, rows_pad], C), the chunk axis
+    padded to a power of two for the combine kernel (chunks past C unwritten), rows' the real rows rounded up to
+    8 (all of rows_pad in interpret mode)."""
     _check(q, k_pages, v_pages, page_table, positions, bs)
     b, t, h, e = q.shape
     _, page, g, _ = k_pages.shape
@@ -283,29 +300,29 @@ def paged_partials(q, k_pages, v_pages, page_table, positions, *, block_sizes: B
     chunk_k = bs.chunk_for(span, g)
     chunks = pl.cdiv(span, chunk_k)
     window = page_window(chunk_k, page)
-    pt = jnp.clip(page_table.astype(jnp.int32), 0, k_pages.shape[0] - 1)  # unallocated (P): a real page, masked
+    pt = page_table.astype(jnp.int32)  # unallocated (P) is clipped to a real page in the kernel, then masked
     n_pad = -(-((chunks - 1) * (chunk_k // page) + window) // 4) * 4  # every window in range; rows of 16 bytes (TMA)
     pt = jnp.pad(pt, ((0, 0), (0, n_pad - page_table.shape[1])))
     kernel = functools.partial(_kernel, page=page, chunk_k=chunk_k, scale=e**-0.5, bs=bs, interpret=interpret)
     qb = rows_pad // BLOCK_Q
-    # o of the real rows only (TMA drops a block's rows past the array; Mosaic takes fewer than 8 rows or a multiple
-    # of 8); m and l whole blocks: a 1-D TMA store past the rows spilled into the next chunk's (H100, jax 0.11.2); the
-    # interpreter takes no block past an array's end
-    o_rows = rows_pad if interpret else min(rows if rows < 8 else pl.cdiv(rows, 8) * 8, rows_pad)
-    ml_rows = rows_pad
+    # o of the real rows rounded up to 8 (TMA drops a block's rows past the array; the combine takes 8 rows a
+    # program); m and l whole blocks: a 1-D TMA store past the rows spilled into the next chunk's (H100, jax 0.11.2);
+    # the interpreter takes no block past an array's end
+    o_rows = rows_pad if interpret else min(pl.cdiv(rows, 8) * 8, rows_pad)
+    cp = attention_combine.chunks_pad(chunks)
     o, m, l = plgpu.kernel(
         kernel,
         out_type=[
-            jax.ShapeDtypeStruct((b, g, chunks, o_rows, e), jnp.float32),
-            jax.ShapeDtypeStruct((b, g, chunks, ml_rows), jnp.float32),
-            jax.ShapeDtypeStruct((b, g, chunks, ml_rows), jnp.float32),
+            jax.ShapeDtypeStruct((b, g, cp, o_rows, e), jnp.float32),
+            jax.ShapeDtypeStruct((b, g, cp, rows_pad), jnp.float32),
+            jax.ShapeDtypeStruct((b, g, cp, rows_pad), jnp.float32),
         ],
         grid=(qb, chunks, g, b),
         grid_names=("q", "c", "g", "b"),
         kernel_name="paged_attention_mgpu",
         interpret=_interpret_params() if interpret else None,
     )(qr, pos, last, pt, k_pages, v_pages)
-    return o, m[..., :o_rows], l[..., :o_rows]
+    return o, m, l, chunks
 
 
 def _interpret_params():
@@ -318,13 +335,15 @@ reference = triton_attention.reference
 
 
 def lowered_for_gpu(q_shape, pages_shape, table_width: int, block_sizes: BlockSizes | None = None) -> str:
-    """The kernel lowered for CUDA (Mosaic GPU) as StableHLO text; no GPU needed. Raises what the lowering finds."""
+    """The kernel and its combine lowered for CUDA (Mosaic GPU, Triton) as StableHLO text; no GPU needed. Raises
+    what the lowering finds."""
     from jax import export
 
     sds = jax.ShapeDtypeStruct
     b, t = q_shape[:2]
     f = jax.jit(lambda *a: paged_attention(*a, block_sizes=block_sizes))
-    exp = export.export(f, platforms=["cuda"])(sds(q_shape, jnp.bfloat16), sds(pages_shape, jnp.bfloat16),
+    triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")  # the combine kernel
+    exp = export.export(f, platforms=["cuda"], disabled_checks=[triton])(sds(q_shape, jnp.bfloat16), sds(pages_shape, jnp.bfloat16),
                                                 sds(pages_shape, jnp.bfloat16), sds((b, table_width), jnp.int32),
                                                 sds((b, t), jnp.int32))
     return exp.mlir_module()

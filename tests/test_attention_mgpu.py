@@ -129,7 +129,7 @@ def test_interpret_nan_past_the_last_position_never_reaches_a_row():
                          ids=["default", "loads-probe", "long-tiles"])
 def test_lowers_to_mosaic_gpu_for_cuda(bs):
     text = am.lowered_for_gpu((1, 8, 24, 256), (256, 16, 4, 256), 256, bs)
-    assert "mosaic_gpu" in text
+    assert "mosaic_gpu" in text and 'name = "attention_combine"' in text
 
 
 def test_supports_names_what_the_dispatch_may_send():

@@ -271,8 +271,7 @@ def paged_attention(
     if bs.combine == "xla":
         return triton_attention.combine(o[:, :, :chunks], m[:, :, :chunks, : o.shape[3]],
                                         l[:, :, :chunks, : o.shape[3]], rows, q.shape, q.dtype)
-    out = attention_combine.combine(o, m, l, chunks=chunks, dtype=q.dtype, interpret=interpret)
-    return out[:, :, :rows].reshape(b, g, t, h // g, e).transpose(0, 2, 1, 3, 4).reshape(b, t, h, e)
+    return attention_combine.combine(o, m, l, chunks=chunks, t=t, heads=h // g, dtype=q.dtype, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
@@ -305,8 +304,8 @@ def _partials(q, k_pages, v_pages, page_table, positions, bs: BlockSizes, interp
     pt = jnp.pad(pt, ((0, 0), (0, n_pad - page_table.shape[1])))
     kernel = functools.partial(_kernel, page=page, chunk_k=chunk_k, scale=e**-0.5, bs=bs, interpret=interpret)
     qb = rows_pad // BLOCK_Q
-    # o of the real rows rounded up to 8 (TMA drops a block's rows past the array; the combine takes 8 rows a
-    # program); m and l whole blocks: a 1-D TMA store past the rows spilled into the next chunk's (H100, jax 0.11.2);
+    # o of the real rows rounded up to 8 (TMA drops a block's rows past the array; Mosaic took 28 rows for no
+    # store); m and l whole blocks: a 1-D TMA store past the rows spilled into the next chunk's (H100, jax 0.11.2);
     # the interpreter takes no block past an array's end
     o_rows = rows_pad if interpret else min(pl.cdiv(rows, 8) * 8, rows_pad)
     cp = attention_combine.chunks_pad(chunks)

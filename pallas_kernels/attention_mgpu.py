@@ -5,8 +5,9 @@ The same contract as `attention.paged_attention` (shapes, causal rows, GQA, the 
 the Mosaic matmul is: each key tile's pages arrive by TMA into shared memory `stages` tiles ahead of the MMAs, so
 the reads stay in flight while the dots and the softmax run. The Triton kernel gathers a tile's pages with
 computed pointers through registers; at 64k and 8 rows it moved the KV bytes at half the copy rate (H200,
-docs/benchmarks.md, ninth run). This one reads them at the copy rate at 64k, 1.5-1.7x Triton's speed at 16k-64k
-and 1.1-1.2x at 2k (H100, eleventh run); the dispatch takes it wherever `supports()` holds.
+docs/benchmarks.md, ninth run). This one reads them at the copy rate at 64k, 1.6-1.9x Triton's speed at 16k-64k
+and 1.4x at 2k with its combine kernel (H100, eleventh and twelfth runs); the dispatch takes it wherever
+`supports()` holds.
 
 Grid: (query block, key chunk, KV head, lane). A program takes one block of 64 query rows (row, head) of one
 (lane, KV head), the MMA's M, and one chunk of keys at an absolute offset; the chunk's page ids and the block's
@@ -19,7 +20,9 @@ hold (NaN included) never reaches a row through 0 * NaN.
 Row invariance: chunk and tile boundaries are fixed by absolute key position, a row's scores and softmax state
 use only its own q and the keys (an MMA row is its own), and a tile past a row's position is an exact no-op on
 its state: its scores are -inf, so p = 0, alpha = exp(m - m) = 1, acc * 1 + 0 and l * 1 + 0 keep their bits.
-Chunks past a row contribute exact zeros to the combine (shared with the Triton kernel).
+Chunks past a row contribute exact zeros to the combine: `attention_combine` (one Triton launch writing [B, T, H,
+E]; 2.7-6 us a call faster than XLA's three fusions on the H100, twelfth run), or with `combine="xla"` the Triton
+kernel's `attention.combine`.
 
 GPU interpret mode (CPU tests) runs the same pipeline, barriers and TMA copies; its two products are plain dots
 (the interpreter has no register-operand MMA), so the CPU checks the schedule and the masking, the GPU tests the

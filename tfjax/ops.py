@@ -86,7 +86,8 @@ def mgpu_qmatmul() -> bool:
 def mgpu_attention() -> bool:
     """Lane-round attention through the Mosaic GPU paged kernel (`pallas_kernels.attention_mgpu`, TMA-fed key
     tiles) where it serves the shape, else the Triton one (`TFJAX_ATTENTION_MGPU=0` forces Triton). On by
-    measurement: 1.1-1.7x the Triton kernel at 2k-64k (docs/benchmarks.md, eleventh run)."""
+    measurement: 1.4-1.9x the Triton kernel at 2k-64k with its combine kernel (H100, docs/benchmarks.md, twelfth
+    run)."""
     return os.environ.get("TFJAX_ATTENTION_MGPU", "1") == "1"
 
 

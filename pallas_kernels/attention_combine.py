@@ -1,10 +1,11 @@
 """Pallas GPU (Triton) combine of the paged attention's chunk partials: one launch where XLA ran three fusions.
 
 Shapes: ``o [B, G, Cp, R', E]`` f32 (unnormalised), ``m``, ``l [B, G, Cp, R'']`` f32 (R'' >= R' >= T x heads; row
-= t * heads + query head of a KV head), of which the first ``chunks`` chunks are live: the chunk axis is padded
-to a power of two (Triton's blocks) and what the padding holds (never written, NaN included) never reaches a row:
-every read of it is masked. Output ``[B, T, G * heads, E]`` (the attention's own layout, no transpose after) in
-the given dtype; rows with no keys (l = 0) are exact zeros.
+= t * heads + query head of a KV head), the rows' positions ``pos [B, R'']`` i32 (-1: padding). A row sees chunk
+c (keys from c * chunk_k) when c < ``chunks`` and c * chunk_k <= its position; every other chunk (the padding of
+the chunk axis to a power of two for Triton's blocks, chunks past the lane's last position that a persistent
+attention kernel never writes) is never read, NaN included. Output ``[B, T, G * heads, E]`` (the attention's own
+layout, no transpose after) in the given dtype; rows with no keys are exact zeros.
 
 A program takes one row t's query heads of one (lane, KV head), ``block_e`` columns, over every chunk at once:
 the max (exact in any order), the weights, then the weighted sums over the chunk axis in one register
@@ -51,46 +52,53 @@ def chunks_pad(chunks: int) -> int:
     return 1 << (chunks - 1).bit_length()
 
 
-def _kernel(o_ref, m_ref, l_ref, out_ref, *, chunks: int, heads: int, block_rows: int):
-    # o_ref [Cp, R', be] f32 and m_ref, l_ref [Cp, R''] f32 of one (lane, KV head); out_ref [H, be] of one (lane, t)
+def _kernel(o_ref, m_ref, l_ref, pos_ref, out_ref, *, chunks: int, chunk_k: int, heads: int, block_rows: int):
+    # o_ref [Cp, R', be] f32 and m_ref, l_ref [Cp, R''] f32 of one (lane, KV head); pos_ref [R''] i32 (-1: padding);
+    # out_ref [H, be] of one (lane, t)
     t, j = pl.program_id(1), pl.program_id(2)
     rows = pl.ds(t * heads, block_rows)  # the query heads of row t (a power of two of rows, those past `heads` masked)
     cp, be = o_ref.shape[0], o_ref.shape[2]
     iota = functools.partial(lax.broadcasted_iota, jnp.int32)
-    live = (iota((cp, block_rows), 0) < chunks) & (iota((cp, block_rows), 1) < heads)  # past `chunks`: never read
+    mine = iota((block_rows,), 0) < heads
+    pos = plgpu.load(pos_ref.at[rows], mask=mine, other=-1)
+    chunk = iota((cp, block_rows), 0)
+    # the chunks a row can see: any other (past `chunks`, or past the lane's last position) is never read
+    live = (chunk < chunks) & (chunk * chunk_k <= pos[None, :]) & (iota((cp, block_rows), 1) < heads)
     m = plgpu.load(m_ref.at[:, rows], mask=live, other=NEG)
     top = jnp.max(m, axis=0)  # [rows]
-    w = jnp.where(live, jnp.exp(m - top[None, :]), 0.0)  # 0 for chunks a row cannot see (m = NEG)
+    w = jnp.where(live, jnp.exp(m - top[None, :]), 0.0)
     lsum = jnp.sum(w * plgpu.load(l_ref.at[:, rows], mask=live, other=0.0), axis=0)
-    live_o = (iota((cp, block_rows, be), 0) < chunks) & (iota((cp, block_rows, be), 1) < heads)
-    o = plgpu.load(o_ref.at[:, rows, :], mask=live_o, other=0.0)
+    o = plgpu.load(o_ref.at[:, rows, :], mask=jnp.broadcast_to(live[:, :, None], (cp, block_rows, be)), other=0.0)
     osum = jnp.sum(w[:, :, None] * o, axis=0)  # [rows, be]
     out = jnp.where(lsum[:, None] > 0, osum / jnp.where(lsum > 0, lsum, 1.0)[:, None], 0.0)
     mine = iota((block_rows, be), 0) < heads
     plgpu.store(out_ref.at[pl.ds(j * heads, block_rows), :], out.astype(out_ref.dtype), mask=mine)
 
 
-def _check(o, m, l, chunks: int, t: int, heads: int):
+def _check(o, m, l, pos, chunks: int, t: int, heads: int):
     b, g, cp, ro, e = o.shape
     if m.shape != l.shape or m.shape[:3] != (b, g, cp) or m.shape[3] < ro:
         raise ValueError(f"m {m.shape} and l {l.shape} must be [B, G, Cp, >= rows] of o {o.shape}")
+    if pos.shape != (b, m.shape[3]) or pos.dtype != jnp.int32:
+        raise ValueError(f"positions {pos.shape} {pos.dtype} must be int32 [B, rows] as m {m.shape}")
     if cp != chunks_pad(cp) or not 1 <= chunks <= cp:
         raise ValueError(f"the chunk axis {cp} must be a power of two holding {chunks=} live chunks")
     if ro < t * heads or e % 16:
         raise ValueError(f"o holds {ro} rows, fewer than {t=} x {heads=}, or head dim {e} not a multiple of 16")
 
 
-@functools.partial(jax.jit, static_argnames=("chunks", "t", "heads", "dtype", "block_sizes", "interpret"))
-def combine(o: jax.Array, m: jax.Array, l: jax.Array, *, chunks: int, t: int, heads: int, dtype=jnp.bfloat16,
-            block_sizes: BlockSizes | None = None, interpret: bool = False) -> jax.Array:
-    """Normalised output of the live chunks' partials, row = t * heads + head of a KV head: ``[B, T, G * heads,
-    E]`` in `dtype`."""
+@functools.partial(jax.jit, static_argnames=("chunks", "chunk_k", "t", "heads", "dtype", "block_sizes", "interpret"))
+def combine(o: jax.Array, m: jax.Array, l: jax.Array, pos: jax.Array, *, chunks: int, chunk_k: int, t: int,
+            heads: int, dtype=jnp.bfloat16, block_sizes: BlockSizes | None = None, interpret: bool = False) -> jax.Array:
+    """Normalised output of the partials of the chunks each row can see (chunk c of `chunk_k` keys from c *
+    chunk_k, c < `chunks`, at or before the row's position `pos`), row = t * heads + head of a KV head:
+    ``[B, T, G * heads, E]`` in `dtype`."""
     bs = block_sizes or DEFAULT
-    _check(o, m, l, chunks, t, heads)
+    _check(o, m, l, pos, chunks, t, heads)
     b, g, cp, ro, e = o.shape
     block_rows = chunks_pad(heads)
     be = bs.block_e(cp, block_rows, e)
-    kernel = functools.partial(_kernel, chunks=chunks, heads=heads, block_rows=block_rows)
+    kernel = functools.partial(_kernel, chunks=chunks, chunk_k=chunk_k, heads=heads, block_rows=block_rows)
     return pl.pallas_call(
         kernel,
         grid=(b, t, g, e // be),
@@ -98,20 +106,26 @@ def combine(o: jax.Array, m: jax.Array, l: jax.Array, *, chunks: int, t: int, he
             pl.BlockSpec((None, None, cp, ro, be), lambda n, i, j, c: (n, j, 0, 0, c)),
             pl.BlockSpec((None, None, cp, m.shape[3]), lambda n, i, j, c: (n, j, 0, 0)),
             pl.BlockSpec((None, None, cp, m.shape[3]), lambda n, i, j, c: (n, j, 0, 0)),
+            pl.BlockSpec((None, m.shape[3]), lambda n, i, j, c: (n, 0)),
         ],
         out_specs=pl.BlockSpec((None, None, g * heads, be), lambda n, i, j, c: (n, i, 0, c)),
         out_shape=jax.ShapeDtypeStruct((b, t, g * heads, e), dtype),
         compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=1),
         interpret=interpret,
         name="attention_combine",
-    )(o, m, l)
+    )(o, m, l, pos)
 
 
-def reference(o, m, l, *, chunks: int, t: int, heads: int, dtype=jnp.bfloat16) -> jax.Array:
-    """Plain jax.numpy over the live chunks (XLA's order of the sums: equal to the kernel within f32 rounding)."""
+def reference(o, m, l, pos, *, chunks: int, chunk_k: int, t: int, heads: int, dtype=jnp.bfloat16) -> jax.Array:
+    """Plain jax.numpy over the chunks each row can see (XLA's order of the sums: equal to the kernel within f32
+    rounding)."""
     rows = t * heads
     o, m, l = o[:, :, :chunks, :rows], m[:, :, :chunks, :rows], l[:, :, :chunks, :rows]
-    w = jnp.exp(m - jnp.max(m, axis=2, keepdims=True))
+    seen = (jnp.arange(chunks)[:, None] * chunk_k <= pos[:, None, None, :rows])  # [B, 1, C, rows]
+    m = jnp.where(seen, m, NEG)
+    w = jnp.where(seen, jnp.exp(m - jnp.max(m, axis=2, keepdims=True)), 0.0)
+    l = jnp.where(seen, l, 0.0)
+    o = jnp.where(seen[..., None], o, 0.0)
     lsum = jnp.sum(w * l, axis=2)
     osum = jnp.sum(w[..., None] * o, axis=2)
     out = jnp.where(lsum[..., None] > 0, osum / jnp.where(lsum > 0, lsum, 1.0)[..., None], 0.0)  # [B, G, rows, E]

@@ -17,6 +17,12 @@ registers, then acc = acc * alpha + P V (P from registers), whose slot then take
 lane's last position has its V rows past it zeroed in shared memory first, so what unwritten or unallocated pages
 hold (NaN included) never reaches a row through 0 * NaN.
 
+Persistent programs (`BlockSizes.persistent`, an A/B option): `chunk_programs` programs over the KV heads, each
+walking chunks c, c + P, ... of a fixed `chunk_k` keys up to the lane's last position as one pipeline (the next
+chunk's tiles load under the last ones of this), each chunk's partial stored as the one-chunk program stores it.
+A short context in a wide page table then still runs on every SM; chunks past the lane's end are never written
+(the combine reads only the chunks each row can see).
+
 Row invariance: chunk and tile boundaries are fixed by absolute key position, a row's scores and softmax state
 use only its own q and the keys (an MMA row is its own), and a tile past a row's position is an exact no-op on
 its state: its scores are -inf, so p = 0, alpha = exp(m - m) = 1, acc * 1 + 0 and l * 1 + 0 keep their bits.
@@ -46,6 +52,7 @@ from pallas_kernels import attention_combine
 BLOCK_Q = 64  # query rows a program: the MMA's M
 NEG = triton_attention.NEG
 PT_WINDOW = 32  # page ids a program reads at least (TMA moves multiples of 128 bytes a warpgroup)
+PT_PIECE = 256  # page ids a TMA copy (a box holds at most 256 elements a dimension)
 SWIZZLED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # bf16 tiles in 128-byte rows
 
 
@@ -60,6 +67,9 @@ class BlockSizes:
     # the partials' combine: "kernel" (attention_combine, one launch) or "xla" (attention.combine, three fusions;
     # H100 twelfth run: 5 us at one row, 8 at 8 rows)
     combine: str = "kernel"
+    # programs walk fixed chunks (chunk_k keys) strided, chunk_programs of them over the KV heads, each chunk's partial
+    # stored under the next one's loads: a short context in a wide span keeps every SM busy (an A/B option; off)
+    persistent: bool = False
     probe: str = ""  # timing probe (wrong results): "loads" moves every tile by TMA, no dots or softmax
 
     def chunk_for(self, span: int, kv_heads: int) -> int:
@@ -77,8 +87,8 @@ def page_window(chunk_k: int, page: int) -> int:
     return max(chunk_k // page, PT_WINDOW)
 
 
-def _kernel(q_gmem, pos_gmem, last_gmem, pt_gmem, k_gmem, v_gmem, o_gmem, m_gmem, l_gmem, *, page, chunk_k, scale,
-            bs: BlockSizes, interpret: bool):
+def _kernel(q_gmem, pos_gmem, last_gmem, pt_gmem, k_gmem, v_gmem, o_gmem, m_gmem, l_gmem, *, page, chunk_k, chunks,
+            programs, scale, bs: BlockSizes, interpret: bool):
     # q_gmem [B, G, rows_pad, E] bf16; pos_gmem [B, rows_pad] i32 (-1: padding); last_gmem [B, 32] i32 (the lane's
     # last position at 0); pt_gmem [B, n_pad] i32 (P or more: unallocated); k_gmem, v_gmem [P, page, G, E]; o_gmem
     # [B, G, Cp, rows, E] f32 (unnormalised); m_gmem, l_gmem [B, G, Cp, rows_pad] f32 (chunks past C: unwritten)
@@ -86,8 +96,9 @@ def _kernel(q_gmem, pos_gmem, last_gmem, pt_gmem, k_gmem, v_gmem, o_gmem, m_gmem
     e = q_gmem.shape[-1]
     bk, stages = bs.block_k, bs.stages
     per_tile = bk // page
-    window = page_window(chunk_k, page)
-    start = c * chunk_k
+    tpc = chunk_k // bk  # tiles a chunk
+    ids = pt_gmem.shape[1] if bs.persistent else page_window(chunk_k, page)  # page ids in shared memory
+    pt_base = 0 if bs.persistent else c * (chunk_k // page)  # the lane's page index of the first of them
     rows = pl.ds(qi * BLOCK_Q, BLOCK_Q)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
@@ -103,33 +114,65 @@ def _kernel(q_gmem, pos_gmem, last_gmem, pt_gmem, k_gmem, v_gmem, o_gmem, m_gmem
         x = jnp.full(shape, value, jnp.float32)
         return x if interpret else plgpu.layout_cast(x, layout)
 
-    def loop(q_smem, pos_smem, last_smem, pt_smem, k_smem, v_smem, head_bar, k_bars, v_bars):
+    def store(acc, m, l, chunk, o_smem, ml_smem, final: bool):  # a chunk's partials, 64 columns of o a TMA store
+        ml_smem[0] = m
+        ml_smem[1] = l
+        for f in range(e // 64):
+            slot = f % 2
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the slot's previous store has read it
+            o_smem[slot] = acc[:, f * 64:(f + 1) * 64]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[slot], o_gmem.at[b, j, chunk, rows, pl.ds(f * 64, 64)])
+        plgpu.copy_smem_to_gmem(ml_smem.at[0], m_gmem.at[b, j, chunk, rows])
+        plgpu.copy_smem_to_gmem(ml_smem.at[1], l_gmem.at[b, j, chunk, rows])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=not final)  # not final: the buffers free for the next chunk
+
+    def loop(q_smem, pos_smem, last_smem, pt_smem, k_smem, v_smem, head_bar, k_bars, v_bars, *out_smem):
         plgpu.copy_gmem_to_smem(last_gmem.at[b], last_smem, head_bar.at[0])
-        plgpu.copy_gmem_to_smem(pt_gmem.at[b, pl.ds(c * (chunk_k // page), window)], pt_smem, head_bar.at[0])
+        for off in range(0, ids, PT_PIECE):  # past 256 ids (a 4096-key chunk of 16-key pages) in pieces
+            n = min(PT_PIECE, ids - off)
+            plgpu.copy_gmem_to_smem(pt_gmem.at[b, pl.ds(pt_base + off, n)], pt_smem.at[pl.ds(off, n)], head_bar.at[0])
         plgpu.copy_gmem_to_smem(pos_gmem.at[b, rows], pos_smem, head_bar.at[0])
         plgpu.copy_gmem_to_smem(q_gmem.at[b, j, rows], q_smem, head_bar.at[0])
         plgpu.barrier_wait(head_bar.at[0])
         last = last_smem[0]
-        tiles = jnp.clip((last - start) // bk + 1, 0, chunk_k // bk)  # tiles any row of the lane can see
 
-        def issue(t, pages_gmem, pages_smem, bars):  # tile t's K or V pages into its slot, one TMA copy a page
-            slot = lax.rem(t, stages)
+        def tiles_of(chunk):  # tiles of a chunk any row of the lane can see
+            return jnp.clip((last - chunk * chunk_k) // bk + 1, 0, tpc)
+
+        if bs.persistent:  # chunks c, c + P, ... up to the lane's last position; all but the lane's last are whole
+            live = jnp.minimum((last + chunk_k) // chunk_k, chunks)
+            mine = (live - c + programs - 1) // programs  # >= 0: c < programs
+            before = jnp.maximum(mine, 1) - 1  # whole chunks before the last (none: tiles_of(c) is 0 then)
+            total = before * tpc + tiles_of(c + before * programs)
+        else:
+            total = tiles_of(c)
+
+        def chunk_of(u):  # the chunk of the program's u-th tile
+            return c + (u // tpc) * programs if bs.persistent else c
+
+        def within(u):  # its tile within that chunk
+            return lax.rem(u, tpc) if bs.persistent else u
+
+        def issue(u, pages_gmem, pages_smem, bars):  # tile u's K or V pages into its slot, one TMA copy a page
+            slot = lax.rem(u, stages)
+            first = (chunk_of(u) * chunk_k + within(u) * bk) // page - pt_base
             for p in range(per_tile):
-                pid = jnp.clip(pt_smem[t * per_tile + p], 0, k_gmem.shape[0] - 1)  # unallocated: a real page, masked
+                pid = jnp.clip(pt_smem[first + p], 0, k_gmem.shape[0] - 1)  # unallocated: a real page, masked
                 plgpu.copy_gmem_to_smem(pages_gmem.at[pid, :, j], pages_smem.at[slot, pl.ds(p * page, page)],
                                         bars.at[slot])
 
         issue_k = functools.partial(issue, pages_gmem=k_gmem, pages_smem=k_smem, bars=k_bars)
         issue_v = functools.partial(issue, pages_gmem=v_gmem, pages_smem=v_smem, bars=v_bars)
 
-        def refill(t, issue_kv):  # a slot's next tile, once its MMAs are done
-            pl.when(t + stages < tiles)(lambda: issue_kv(t + stages))
+        def refill(u, issue_kv):  # a slot's next tile (the next chunk's too), once its MMAs are done
+            pl.when(u + stages < total)(lambda: issue_kv(u + stages))
 
-        for t in range(stages):
-            @pl.when(t < tiles)
-            def _(t=t):
-                issue_k(t)
-                issue_v(t)
+        for u in range(stages):
+            @pl.when(u < total)
+            def _(u=u):
+                issue_k(u)
+                issue_v(u)
 
         pos = read(pos_smem, row_layout)  # [64] i32
 
@@ -154,19 +197,19 @@ def _kernel(q_gmem, pos_gmem, last_gmem, pt_gmem, k_gmem, v_gmem, o_gmem, m_gmem
 
             return pl.run_state(mma)(plgpu.ACC.init(acc))
 
-        def body(t, carry):
+        def tile(u, carry):
             acc, m, l = carry
-            slot = lax.rem(t, stages)
-            k0 = start + t * bk
+            slot = lax.rem(u, stages)
+            k0 = chunk_of(u) * chunk_k + within(u) * bk
             plgpu.barrier_wait(k_bars.at[slot])
             if bs.probe == "loads":
                 plgpu.barrier_wait(v_bars.at[slot])
-                refill(t, issue_k)
-                refill(t, issue_v)
+                refill(u, issue_k)
+                refill(u, issue_v)
                 return acc, m, l
 
             s = scores(slot) * scale
-            refill(t, issue_k)  # K's slot is free once S is: its next tile loads under the softmax and P V
+            refill(u, issue_k)  # K's slot is free once S is: its next tile loads under the softmax and P V
             s = jnp.where(k0 + iota((BLOCK_Q, bk), 1) <= lax.broadcast_in_dim(pos, (BLOCK_Q, bk), (0,)), s,
                           jnp.full_like(s, -jnp.inf))
             m_new = jnp.maximum(m, s.max(axis=1))
@@ -182,41 +225,43 @@ def _kernel(q_gmem, pos_gmem, last_gmem, pt_gmem, k_gmem, v_gmem, o_gmem, m_gmem
                 plgpu.commit_smem()
 
             acc = accumulate(acc * lax.broadcast_in_dim(alpha, acc.shape, (0,)), p.astype(v_smem.dtype), slot)
-            refill(t, issue_v)
+            refill(u, issue_v)
             return acc, m_new, l
 
-        init = (full((BLOCK_Q, e), 0.0, plgpu.Layout.WGMMA), full((BLOCK_Q,), NEG, row_layout),
-                full((BLOCK_Q,), 0.0, row_layout))
-        return lax.fori_loop(0, tiles, body, init)
+        def init():
+            return (full((BLOCK_Q, e), 0.0, plgpu.Layout.WGMMA), full((BLOCK_Q,), NEG, row_layout),
+                    full((BLOCK_Q,), 0.0, row_layout))
 
-    acc, m, l = pl.run_scoped(
-        loop,
+        if not bs.persistent:
+            return lax.fori_loop(0, total, tile, init())
+
+        def chunk_body(k, carry):  # one chunk's tiles from a fresh state, then its partials
+            chunk = c + k * programs
+            acc, m, l = lax.fori_loop(k * tpc, k * tpc + tiles_of(chunk), tile, init())
+            store(acc, m, l, chunk, *out_smem, final=False)
+            return carry
+
+        lax.fori_loop(0, mine, chunk_body, 0)
+        plgpu.wait_smem_to_gmem(0)
+
+    scratch = [
         plgpu.SMEM((BLOCK_Q, e), q_gmem.dtype, transforms=SWIZZLED),
         plgpu.SMEM((BLOCK_Q,), jnp.int32),
         plgpu.SMEM((PT_WINDOW,), jnp.int32),
-        plgpu.SMEM((window,), jnp.int32),
+        plgpu.SMEM((ids,), jnp.int32),
         plgpu.SMEM((stages, bk, e), k_gmem.dtype, transforms=SWIZZLED),
         plgpu.SMEM((stages, bk, e), v_gmem.dtype, transforms=SWIZZLED),
         # num_barriers always given: since jax 0.11.2 a Barrier without it is a 0-d ref, which `.at[0]` can't index
-        plgpu.Barrier(num_arrivals=4, num_barriers=1),
+        plgpu.Barrier(num_arrivals=3 + pl.cdiv(ids, PT_PIECE), num_barriers=1),
         plgpu.Barrier(num_arrivals=per_tile, num_barriers=stages),
         plgpu.Barrier(num_arrivals=per_tile, num_barriers=stages),
-    )
-
-    def store(o_smem, ml_smem):  # the partials through shared memory, 64 columns of o a TMA store
-        ml_smem[0] = m
-        ml_smem[1] = l
-        for f in range(e // 64):
-            slot = f % 2
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the slot's previous store has read it
-            o_smem[slot] = acc[:, f * 64:(f + 1) * 64]
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem.at[slot], o_gmem.at[b, j, c, rows, pl.ds(f * 64, 64)])
-        plgpu.copy_smem_to_gmem(ml_smem.at[0], m_gmem.at[b, j, c, rows])
-        plgpu.copy_smem_to_gmem(ml_smem.at[1], l_gmem.at[b, j, c, rows])
-        plgpu.wait_smem_to_gmem(0)
-
-    pl.run_scoped(store, plgpu.SMEM((2, BLOCK_Q, 64), jnp.float32), plgpu.SMEM((2, BLOCK_Q), jnp.float32))
+    ]
+    out_scratch = [plgpu.SMEM((2, BLOCK_Q, 64), jnp.float32), plgpu.SMEM((2, BLOCK_Q), jnp.float32)]
+    if bs.persistent:  # each chunk's partials stored under the next chunk's loads
+        pl.run_scoped(loop, *scratch, *out_scratch)
+    else:  # one chunk: its store after the loop, in shared memory the K and V stages held
+        acc, m, l = pl.run_scoped(loop, *scratch)
+        pl.run_scoped(lambda o_smem, ml_smem: store(acc, m, l, c, o_smem, ml_smem, final=True), *out_scratch)
 
 
 HEAD_DIMS = (64, 128, 256)
@@ -224,16 +269,31 @@ SMEM_BYTES = 227 * 1024  # shared memory a Hopper block may take
 
 
 def smem_bytes(head_dim: int, window: int, bs: BlockSizes) -> int:
-    """Shared memory of the main loop: the query block, K and V stages, positions, page ids, and 6 KB for barriers,
-    alignment and Mosaic's own (its lowering counted 4.6 KB more than the buffers at head dim 256, 3 stages)."""
-    return 2 * (BLOCK_Q + 2 * bs.stages * bs.block_k) * head_dim + 4 * (BLOCK_Q + PT_WINDOW + window) + 6 * 1024
+    """Shared memory of the main loop: the query block, K and V stages, positions, `window` page ids, the partials'
+    store buffers when persistent, and 6 KB for barriers, alignment and Mosaic's own (its lowering counted 4.6 KB
+    more than the buffers at head dim 256, 3 stages)."""
+    store = (2 * BLOCK_Q * 64 + 2 * BLOCK_Q) * 4 if bs.persistent else 0
+    return 2 * (BLOCK_Q + 2 * bs.stages * bs.block_k) * head_dim + 4 * (BLOCK_Q + PT_WINDOW + window) + store + 6 * 1024
+
+
+def table_width(width: int, chunk_k: int, page: int, bs: BlockSizes) -> int:
+    """The page table's width as the kernel reads it: every chunk's window in range, a row a multiple of 16 bytes
+    (TMA), and when persistent (a program reads the whole row) of 128 (a warpgroup's bytes)."""
+    chunks = pl.cdiv(width * page, chunk_k)
+    return -(-((chunks - 1) * (chunk_k // page) + page_window(chunk_k, page)) // 4) * 4 if not bs.persistent else (
+        -(-table_width(width, chunk_k, page, DEFAULT) // PT_WINDOW) * PT_WINDOW)
+
+
+def page_ids(width: int, chunk_k: int, page: int, bs: BlockSizes) -> int:
+    """Page ids a program holds in shared memory: its chunk's window, or (persistent) the lane's whole table."""
+    return table_width(width, chunk_k, page, bs) if bs.persistent else page_window(chunk_k, page)
 
 
 def supports(head_dim: int, page: int, dtype, bs: BlockSizes = DEFAULT) -> bool:
     """Whether the kernel serves this head dim, page size and dtype (q and pages; callers take the Triton kernel
     otherwise)."""
     return (head_dim in HEAD_DIMS and page % 8 == 0 and bs.block_k % page == 0 and dtype == jnp.bfloat16
-            and smem_bytes(head_dim, 1024, bs) <= SMEM_BYTES)  # page ids of a 16k-key chunk of 16-key pages
+            and smem_bytes(head_dim, 4096 if bs.persistent else 1024, bs) <= SMEM_BYTES)  # a 64k / 16k span in 16s
 
 
 def _check(q, k_pages, v_pages, page_table, positions, bs: BlockSizes):
@@ -248,10 +308,13 @@ def _check(q, k_pages, v_pages, page_table, positions, bs: BlockSizes):
     if bs.stages < 1 or bs.chunk_programs < 1 or bs.probe not in ("", "loads") or bs.combine not in ("kernel", "xla"):
         raise ValueError(f"stages={bs.stages} and chunk_programs={bs.chunk_programs} must be >= 1, probe "
                          f"{bs.probe!r} one of '', 'loads', combine {bs.combine!r} 'kernel' or 'xla'")
-    window = page_window(bs.chunk_for(page_table.shape[1] * page, k_pages.shape[2]), page)
-    if (need := smem_bytes(q.shape[-1], window, bs)) > SMEM_BYTES:
-        raise ValueError(f"stages={bs.stages} of block_k={bs.block_k} at head dim {q.shape[-1]} need {need} bytes of "
-                         f"shared memory, more than {SMEM_BYTES}")
+    if bs.persistent and (not bs.chunk_k or bs.combine != "kernel"):
+        raise ValueError(f"persistent programs take fixed chunks (chunk_k={bs.chunk_k}) and the combine kernel "
+                         f"(combine={bs.combine!r}): chunks past the lane's last position stay unwritten")
+    ids = page_ids(page_table.shape[1], bs.chunk_for(page_table.shape[1] * page, k_pages.shape[2]), page, bs)
+    if (need := smem_bytes(q.shape[-1], ids, bs)) > SMEM_BYTES:
+        raise ValueError(f"stages={bs.stages} of block_k={bs.block_k} at head dim {q.shape[-1]} with {ids} page ids "
+                         f"need {need} bytes of shared memory, more than {SMEM_BYTES}")
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
@@ -267,29 +330,32 @@ def paged_attention(
 ) -> jax.Array:
     """Causal GQA attention of q rows over a lane's pages: ``[B, T, H, E]`` bf16 (as `attention.paged_attention`)."""
     bs = block_sizes or DEFAULT
-    o, m, l, chunks = _partials(q, k_pages, v_pages, page_table, positions, bs, interpret)
+    o, m, l, pos, chunk_k = _partials(q, k_pages, v_pages, page_table, positions, bs, interpret)
     b, t, h, e = q.shape
     g = k_pages.shape[2]
-    rows = t * (h // g)
+    chunks = pl.cdiv(page_table.shape[1] * k_pages.shape[1], chunk_k)
     if bs.combine == "xla":
         return triton_attention.combine(o[:, :, :chunks], m[:, :, :chunks, : o.shape[3]],
-                                        l[:, :, :chunks, : o.shape[3]], rows, q.shape, q.dtype)
-    return attention_combine.combine(o, m, l, chunks=chunks, t=t, heads=h // g, dtype=q.dtype, interpret=interpret)
+                                        l[:, :, :chunks, : o.shape[3]], t * (h // g), q.shape, q.dtype)
+    return attention_combine.combine(o, m, l, pos, chunks=chunks, chunk_k=chunk_k, t=t, heads=h // g, dtype=q.dtype,
+                                     interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
 def paged_partials(q, k_pages, v_pages, page_table, positions, *, block_sizes: BlockSizes | None = None,
                    interpret: bool = False):
     """The kernel alone: each chunk's partials for the query rows (row = t * R + head of a KV head), o [B, G, C,
-    rows', E] f32 unnormalised, m and l [B, G, C, rows'] f32, rows' >= the real rows (past them: no meaning)."""
-    o, m, l, chunks = _partials(q, k_pages, v_pages, page_table, positions, block_sizes or DEFAULT, interpret)
+    rows', E] f32 unnormalised, m and l [B, G, C, rows'] f32, rows' >= the real rows (past them: no meaning);
+    persistent, chunks past the lane's last position are unwritten."""
+    o, m, l, _, chunk_k = _partials(q, k_pages, v_pages, page_table, positions, block_sizes or DEFAULT, interpret)
+    chunks = pl.cdiv(page_table.shape[1] * k_pages.shape[1], chunk_k)
     return o[:, :, :chunks], m[:, :, :chunks, : o.shape[3]], l[:, :, :chunks, : o.shape[3]]
 
 
 def _partials(q, k_pages, v_pages, page_table, positions, bs: BlockSizes, interpret: bool):
-    """The kernel's outputs as written: (o [B, G, Cp, rows', E], m and l [B, G, Cp, rows_pad], C), the chunk axis
-    padded to a power of two for the combine kernel (chunks past C unwritten), rows' the real rows rounded up to
-    8 (all of rows_pad in interpret mode)."""
+    """The kernel's outputs as written and what the combine needs: (o [B, G, Cp, rows', E], m and l [B, G, Cp,
+    rows_pad], the rows' positions [B, rows_pad] (-1: padding), chunk_k), the chunk axis padded to a power of two for
+    the combine kernel (chunks past C unwritten), rows' the real rows rounded up to 8 (rows_pad in interpret mode)."""
     _check(q, k_pages, v_pages, page_table, positions, bs)
     b, t, h, e = q.shape
     _, page, g, _ = k_pages.shape
@@ -301,11 +367,13 @@ def _partials(q, k_pages, v_pages, page_table, positions, bs: BlockSizes, interp
     last = jnp.pad(jnp.max(pos, axis=1, keepdims=True), ((0, 0), (0, PT_WINDOW - 1)))
     chunk_k = bs.chunk_for(span, g)
     chunks = pl.cdiv(span, chunk_k)
-    window = page_window(chunk_k, page)
+    # programs a (lane, KV head): one a chunk, or (persistent) chunk_programs over the KV heads walking chunks strided
+    programs = min(chunks, max(1, bs.chunk_programs // g)) if bs.persistent else chunks
     pt = page_table.astype(jnp.int32)  # unallocated (P) is clipped to a real page in the kernel, then masked
-    n_pad = -(-((chunks - 1) * (chunk_k // page) + window) // 4) * 4  # every window in range; rows of 16 bytes (TMA)
+    n_pad = table_width(page_table.shape[1], chunk_k, page, bs)
     pt = jnp.pad(pt, ((0, 0), (0, n_pad - page_table.shape[1])))
-    kernel = functools.partial(_kernel, page=page, chunk_k=chunk_k, scale=e**-0.5, bs=bs, interpret=interpret)
+    kernel = functools.partial(_kernel, page=page, chunk_k=chunk_k, chunks=chunks, programs=programs, scale=e**-0.5,
+                               bs=bs, interpret=interpret)
     qb = rows_pad // BLOCK_Q
     # o of the real rows rounded up to 8 (TMA drops a block's rows past the array; Mosaic took 28 rows for no
     # store); m and l whole blocks: a 1-D TMA store past the rows spilled into the next chunk's (H100, jax 0.11.2);
@@ -319,12 +387,12 @@ def _partials(q, k_pages, v_pages, page_table, positions, bs: BlockSizes, interp
             jax.ShapeDtypeStruct((b, g, cp, rows_pad), jnp.float32),
             jax.ShapeDtypeStruct((b, g, cp, rows_pad), jnp.float32),
         ],
-        grid=(qb, chunks, g, b),
+        grid=(qb, programs, g, b),
         grid_names=("q", "c", "g", "b"),
         kernel_name="paged_attention_mgpu",
         interpret=_interpret_params() if interpret else None,
     )(qr, pos, last, pt, k_pages, v_pages)
-    return o, m, l, chunks
+    return o, m, l, pos, chunk_k
 
 
 def _interpret_params():
@@ -345,7 +413,7 @@ def lowered_for_gpu(q_shape, pages_shape, table_width: int, block_sizes: BlockSi
     b, t = q_shape[:2]
     f = jax.jit(lambda *a: paged_attention(*a, block_sizes=block_sizes))
     triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")  # the combine kernel
-    exp = export.export(f, platforms=["cuda"], disabled_checks=[triton])(sds(q_shape, jnp.bfloat16), sds(pages_shape, jnp.bfloat16),
-                                                sds(pages_shape, jnp.bfloat16), sds((b, table_width), jnp.int32),
-                                                sds((b, t), jnp.int32))
+    exp = export.export(f, platforms=["cuda"], disabled_checks=[triton])(
+        sds(q_shape, jnp.bfloat16), sds(pages_shape, jnp.bfloat16), sds(pages_shape, jnp.bfloat16),
+        sds((b, table_width), jnp.int32), sds((b, t), jnp.int32))
     return exp.mlir_module()

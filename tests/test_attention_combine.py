@@ -1,4 +1,5 @@
-"""The attention partials' combine kernel (Triton, interpret mode on CPU) against plain jax.numpy."""
+"""The attention partials' combine kernel (Triton, interpret mode on CPU) against plain jax.numpy: the chunks a row
+can see, and nothing else, whatever they hold."""
 
 from __future__ import annotations
 
@@ -7,25 +8,30 @@ import numpy as np
 import pytest
 
 from pallas_kernels import attention_combine as ac
-from pallas_kernels.attention import NEG
 
 
-def _partials(seed, b=2, g=3, chunks=5, rows=16, rows_ml=64, e=128):
-    # rows: the o rows written (T x heads rounded up to 8); the last is a padding row
-    """Random partials with the shapes the Mosaic attention writes: chunks past a row's position (m = NEG, l = 0,
-    o = 0), a padding row that sees no chunk, and NaN in the chunk axis' padding (never written on the GPU)."""
+def _partials(seed, b=2, g=3, chunks=5, rows=16, rows_ml=64, e=128, chunk_k=256):
+    """Random partials with the shapes the Mosaic attention writes (rows: T x heads rounded up to 8; the last a
+    padding row at position -1), each row at a random position: NaN in every chunk a row cannot see (past it a
+    persistent kernel never writes) and in the chunk axis' padding (never written on the GPU)."""
     rng = np.random.default_rng(seed)
     cp = ac.chunks_pad(chunks)
     o = rng.standard_normal((b, g, cp, rows, e)).astype(np.float32) * 3
     m = rng.standard_normal((b, g, cp, rows_ml)).astype(np.float32) * 4
     l = rng.uniform(0.5, 20, (b, g, cp, rows_ml)).astype(np.float32)
-    seen = rng.integers(1, chunks + 1, (b, g, 1, rows_ml))  # chunks a row can see
-    past = np.arange(cp)[None, None, :, None] >= seen
-    m[past], l[past] = NEG, 0.0
-    o[past[..., :rows]] = 0.0
-    m[:, :, :, rows - 1], l[:, :, :, rows - 1], o[:, :, :, rows - 1] = NEG, 0.0, 0.0  # a padding row
-    o[:, :, chunks:], m[:, :, chunks:], l[:, :, chunks:] = np.nan, np.nan, np.nan
-    return jnp.asarray(o), jnp.asarray(m), jnp.asarray(l)
+    seen = rng.integers(1, chunks + 1, (b, rows_ml))  # chunks a row can see
+    pos = ((seen - 1) * chunk_k + rng.integers(0, chunk_k, (b, rows_ml))).astype(np.int32)
+    pos[:, rows - 1] = -1
+    past = np.broadcast_to(np.arange(cp)[None, None, :, None] * chunk_k > pos[:, None, None, :], m.shape)
+    m[past], l[past] = np.nan, np.nan
+    o[past[..., :rows]] = np.nan
+    return jnp.asarray(o), jnp.asarray(m), jnp.asarray(l), jnp.asarray(pos)
+
+
+def _combine(parts, rows, **kw):
+    """The combine of `rows` (a slice) of the partials alone."""
+    o, m, l, pos = parts
+    return ac.combine(o[:, :, :, rows], m[:, :, :, rows], l[:, :, :, rows], pos[:, rows], **kw)
 
 
 # (chunks, o rows, T, heads, head dim): dense27's 6 heads at 1 and 5 rows, one head, 16 heads (two row blocks)
@@ -34,9 +40,10 @@ CASES = [(5, 16, 2, 6, 128), (1, 8, 8, 1, 64), (32, 8, 1, 6, 256), (33, 32, 5, 6
 
 @pytest.mark.parametrize("chunks,rows,t,heads,e", CASES)
 def test_interpret_combine_matches_reference_on_random_partials(chunks, rows, t, heads, e):
-    o, m, l = _partials(chunks, chunks=chunks, rows=rows, e=e)
-    got = np.asarray(ac.combine(o, m, l, chunks=chunks, t=t, heads=heads, dtype=jnp.float32, interpret=True))
-    want = np.asarray(ac.reference(o, m, l, chunks=chunks, t=t, heads=heads, dtype=jnp.float32))
+    o, m, l, pos = _partials(chunks, chunks=chunks, rows=rows, e=e)
+    kw = dict(chunks=chunks, chunk_k=256, t=t, heads=heads, dtype=jnp.float32)
+    got = np.asarray(ac.combine(o, m, l, pos, **kw, interpret=True))
+    want = np.asarray(ac.reference(o, m, l, pos, **kw))
     assert got.shape == (2, t, 3 * heads, e) and np.isfinite(got).all()
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
     assert np.abs(got).max() > 0.1
@@ -45,23 +52,25 @@ def test_interpret_combine_matches_reference_on_random_partials(chunks, rows, t,
 
 
 def test_interpret_combine_rows_are_their_own_whatever_the_rows_beside_them():
-    o, m, l = _partials(7, rows=24)
-    full = np.asarray(ac.combine(o, m, l, chunks=5, t=4, heads=6, interpret=True)).view(np.uint16)
+    parts = _partials(7, rows=24)
+    kw = dict(chunks=5, chunk_k=256, heads=6, interpret=True)
+    full = np.asarray(_combine(parts, slice(None), t=4, **kw)).view(np.uint16)
     for i in range(4):  # row i alone: its partials moved to the front, nothing beside them
-        rows = slice(6 * i, 6 * i + 6)
-        one = np.asarray(ac.combine(o[:, :, :, rows], m[:, :, :, rows], l[:, :, :, rows], chunks=5, t=1, heads=6,
-                                    interpret=True)).view(np.uint16)
+        one = np.asarray(_combine(parts, slice(6 * i, 6 * i + 6), t=1, **kw)).view(np.uint16)
         np.testing.assert_array_equal(one[:, 0], full[:, i])
 
 
 def test_bad_partials_raise_naming_the_value():
-    o, m, l = _partials(1)
+    o, m, l, pos = _partials(1)
+    kw = dict(chunk_k=256, heads=6, interpret=True)
     with pytest.raises(ValueError, match="power of two"):
-        ac.combine(o[:, :, :6], m[:, :, :6], l[:, :, :6], chunks=5, t=2, heads=6, interpret=True)
+        ac.combine(o[:, :, :6], m[:, :, :6], l[:, :, :6], pos, chunks=5, t=2, **kw)
     with pytest.raises(ValueError, match="chunks=9"):
-        ac.combine(o, m, l, chunks=9, t=2, heads=6, interpret=True)
+        ac.combine(o, m, l, pos, chunks=9, t=2, **kw)
     with pytest.raises(ValueError, match="t=3"):
-        ac.combine(o, m, l, chunks=5, t=3, heads=6, interpret=True)
+        ac.combine(o, m, l, pos, chunks=5, t=3, **kw)
+    with pytest.raises(ValueError, match="int32"):
+        ac.combine(o, m, l, pos[:, :8], chunks=5, t=2, **kw)
 
 
 def test_block_e_shrinks_with_the_chunks_and_heads_never_with_the_rows():
@@ -72,11 +81,10 @@ def test_block_e_shrinks_with_the_chunks_and_heads_never_with_the_rows():
 @pytest.mark.gpu
 @pytest.mark.parametrize("chunks,rows,t,heads,e", CASES + [(33, 48, 8, 6, 256)])
 def test_gpu_combine_matches_reference_and_rows_keep_their_bits(chunks, rows, t, heads, e):
-    o, m, l = _partials(chunks, chunks=chunks, rows=rows, e=e)
-    got = np.asarray(ac.combine(o, m, l, chunks=chunks, t=t, heads=heads, dtype=jnp.float32))
-    want = np.asarray(ac.reference(o, m, l, chunks=chunks, t=t, heads=heads, dtype=jnp.float32))
-    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+    parts = _partials(chunks, chunks=chunks, rows=rows, e=e)
+    kw = dict(chunks=chunks, chunk_k=256, heads=heads, dtype=jnp.float32)
+    got = np.asarray(ac.combine(*parts, t=t, **kw))
+    np.testing.assert_allclose(got, np.asarray(ac.reference(*parts, t=t, **kw)), rtol=2e-5, atol=2e-6)
     last = slice((t - 1) * heads, t * heads)  # the last row alone: the rows beside it have no say in its bits
-    one = np.asarray(ac.combine(o[:, :, :, last], m[:, :, :, last], l[:, :, :, last], chunks=chunks, t=1,
-                                heads=heads, dtype=jnp.float32))
+    one = np.asarray(_combine(parts, last, t=1, **kw))
     np.testing.assert_array_equal(one[:, 0].view(np.uint32), got[:, t - 1].view(np.uint32))

@@ -58,6 +58,11 @@ def _check_partials(args, bs, interpret):
     ro, rm, rl = _partials_reference(*args, chunk_k)
     rows = ro.shape[3]
     o, m, l = o[:, :, :, :rows], m[:, :, :, :rows], l[:, :, :, :rows]
+    if bs is not None and bs.persistent:  # chunks past a lane's last position are never written: none to compare
+        written = (np.arange(o.shape[2]) * chunk_k <= np.asarray(args[4]).max(1)[:, None])[:, None, :, None]
+        o, ro = np.where(written[..., None], o, 0.0), np.where(written[..., None], ro, 0.0)
+        m, rm = np.where(written, m, pa.NEG), np.where(written, rm, pa.NEG)
+        l, rl = np.where(written, l, 0.0), np.where(written, rl, 0.0)
     live = rl > 0
     np.testing.assert_allclose(np.where(live, m, 0), np.where(live, rm, 0), rtol=1e-2, atol=1e-2)
     np.testing.assert_allclose(l, rl, rtol=1e-2, atol=1e-2)
@@ -96,10 +101,28 @@ def test_interpret_fixed_chunks_over_a_wide_page_table_match_reference():
         _check((q, kp, vp, table, positions), bs, True)
 
 
-@pytest.mark.parametrize("t,bs", [(8, am.DEFAULT), (1, am.DEFAULT), (8, am.BlockSizes(chunk_programs=8))],
-                         ids=["8-rows", "1-row", "5-tiles-a-chunk"])
+PERSISTENT = am.BlockSizes(chunk_k=128, chunk_programs=4, persistent=True)  # 2 KV heads: 2 programs walk the chunks
+
+
+@pytest.mark.parametrize("t,bs", [(8, am.DEFAULT), (1, am.DEFAULT), (8, am.BlockSizes(chunk_programs=8)),
+                                  (3, PERSISTENT)],
+                         ids=["8-rows", "1-row", "5-tiles-a-chunk", "persistent"])
 def test_interpret_partials_per_chunk_and_row_match_numpy(t, bs):
     _check_partials(_case(np.random.default_rng(t), 1, t, 12, 2, 64, 20, 16, jnp.bfloat16), bs, True)
+
+
+def test_interpret_persistent_programs_take_each_chunks_bits_over_a_wide_page_table():
+    """Programs walking chunks c, c + P, ... (their pipeline running on across chunks) give each chunk the partial a
+    program of its own gives it: the same bits at the same chunk size, lanes of different lengths in a wide table."""
+    rng = np.random.default_rng(12)
+    q, kp, vp, pt, _ = _case(rng, 2, 3, 4, 2, 64, 30, 16, jnp.bfloat16)
+    table = jnp.concatenate([pt, jnp.full((2, 34), kp.shape[0], jnp.int32)], axis=1)  # 64 pages, 30 allocated
+    positions = jnp.asarray([[470, 471, 472], [60, 61, 62]], jnp.int32)  # 4 chunks of 128 keys, and 1
+    one_each = finished(am.paged_attention(q, kp, vp, table, positions, block_sizes=am.BlockSizes(chunk_k=128),
+                                           interpret=True))
+    walked = finished(am.paged_attention(q, kp, vp, table, positions, block_sizes=PERSISTENT, interpret=True))
+    np.testing.assert_array_equal(np.asarray(walked).view(np.uint16), np.asarray(one_each).view(np.uint16))
+    assert rel_err(walked, am.reference(q, kp, vp, table, positions)) < 1e-2
 
 
 def test_interpret_rows_bit_identical_to_each_row_alone():
@@ -125,11 +148,16 @@ def test_interpret_nan_past_the_last_position_never_reaches_a_row():
     assert rel_err(y, clean) < 1e-2
 
 
-@pytest.mark.parametrize("bs", [am.DEFAULT, am.BlockSizes(probe="loads"), am.BlockSizes(block_k=128, stages=1)],
-                         ids=["default", "loads-probe", "long-tiles"])
+@pytest.mark.parametrize("bs", [am.DEFAULT, am.BlockSizes(probe="loads"), am.BlockSizes(block_k=128, stages=1),
+                                PERSISTENT], ids=["default", "loads-probe", "long-tiles", "persistent"])
 def test_lowers_to_mosaic_gpu_for_cuda(bs):
     text = am.lowered_for_gpu((1, 8, 24, 256), (256, 16, 4, 256), 256, bs)
     assert "mosaic_gpu" in text and 'name = "attention_combine"' in text
+
+
+def test_lowers_at_qwen35s_longest_context():
+    """A 262k-key span: 8192-key chunks, 512 page ids a program, loaded in TMA boxes of at most 256."""
+    assert "mosaic_gpu" in am.lowered_for_gpu((1, 8, 24, 256), (256, 16, 4, 256), 262144 // 16)
 
 
 def test_supports_names_what_the_dispatch_may_send():
@@ -151,6 +179,8 @@ def test_bad_inputs_raise_naming_the_value():
         am.paged_attention(q, kp, vp, pt, pos, block_sizes=am.BlockSizes(chunk_k=96), interpret=True)
     with pytest.raises(ValueError, match="probe 'dots'"):
         am.paged_attention(q, kp, vp, pt, pos, block_sizes=am.BlockSizes(probe="dots"), interpret=True)
+    with pytest.raises(ValueError, match="persistent"):
+        am.paged_attention(q, kp, vp, pt, pos, block_sizes=am.BlockSizes(persistent=True), interpret=True)
     q, kp, vp, pt, pos = _case(rng, 1, 1, 4, 2, 256, 4, 16, jnp.bfloat16)
     with pytest.raises(ValueError, match="shared memory"):
         am.paged_attention(q, kp, vp, pt, pos, block_sizes=am.BlockSizes(stages=3), interpret=True)
@@ -200,8 +230,22 @@ def test_gpu_rows_bit_identical_to_each_row_alone():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t,bs", [(8, am.DEFAULT), (1, am.DEFAULT), (7, am.DEFAULT),
-                                  (8, am.BlockSizes(chunk_programs=8))],
-                         ids=["48-rows", "6-rows", "42-rows", "5-tiles-a-chunk"])
+                                  (8, am.BlockSizes(chunk_programs=8)), (8, am.BlockSizes(chunk_k=128, persistent=True,
+                                                                                         chunk_programs=8))],
+                         ids=["48-rows", "6-rows", "42-rows", "5-tiles-a-chunk", "persistent"])
 def test_gpu_partials_per_chunk_and_row_match_numpy(t, bs):
     assert jax.default_backend() == "gpu"
     _check_partials(_case(np.random.default_rng(t), 2, t, 24, 4, 256, 40, 16, jnp.bfloat16), bs, False)
+
+
+@pytest.mark.gpu
+def test_gpu_persistent_programs_take_each_chunks_bits():
+    rng = np.random.default_rng(13)
+    q, kp, vp, pt, _ = _case(rng, 2, 8, 24, 4, 256, 300, 16, jnp.bfloat16)
+    table = jnp.concatenate([pt, jnp.full((2, 724), kp.shape[0], jnp.int32)], axis=1)  # a 16k span, 4800 keys
+    positions = jnp.asarray([np.arange(8) + 4700, np.arange(8) + 900], jnp.int32)
+    one_each = am.paged_attention(q, kp, vp, table, positions, block_sizes=am.BlockSizes(chunk_k=256))
+    bs = am.BlockSizes(chunk_k=256, persistent=True)
+    walked = am.paged_attention(q, kp, vp, table, positions, block_sizes=bs)
+    np.testing.assert_array_equal(np.asarray(walked).view(np.uint16), np.asarray(one_each).view(np.uint16))
+    assert rel_err(walked, am.reference(q, kp, vp, table, positions)) < 1e-2

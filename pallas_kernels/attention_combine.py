@@ -59,8 +59,7 @@ def _kernel(o_ref, m_ref, l_ref, pos_ref, out_ref, *, chunks: int, chunk_k: int,
     rows = pl.ds(t * heads, block_rows)  # the query heads of row t (a power of two of rows, those past `heads` masked)
     cp, be = o_ref.shape[0], o_ref.shape[2]
     iota = functools.partial(lax.broadcasted_iota, jnp.int32)
-    mine = iota((block_rows,), 0) < heads
-    pos = plgpu.load(pos_ref.at[rows], mask=mine, other=-1)
+    pos = plgpu.load(pos_ref.at[rows], mask=iota((block_rows,), 0) < heads, other=-1)
     chunk = iota((cp, block_rows), 0)
     # the chunks a row can see: any other (past `chunks`, or past the lane's last position) is never read
     live = (chunk < chunks) & (chunk * chunk_k <= pos[None, :]) & (iota((cp, block_rows), 1) < heads)
@@ -71,8 +70,8 @@ def _kernel(o_ref, m_ref, l_ref, pos_ref, out_ref, *, chunks: int, chunk_k: int,
     o = plgpu.load(o_ref.at[:, rows, :], mask=jnp.broadcast_to(live[:, :, None], (cp, block_rows, be)), other=0.0)
     osum = jnp.sum(w[:, :, None] * o, axis=0)  # [rows, be]
     out = jnp.where(lsum[:, None] > 0, osum / jnp.where(lsum > 0, lsum, 1.0)[:, None], 0.0)
-    mine = iota((block_rows, be), 0) < heads
-    plgpu.store(out_ref.at[pl.ds(j * heads, block_rows), :], out.astype(out_ref.dtype), mask=mine)
+    plgpu.store(out_ref.at[pl.ds(j * heads, block_rows), :], out.astype(out_ref.dtype),
+                mask=iota((block_rows, be), 0) < heads)
 
 
 def _check(o, m, l, pos, chunks: int, t: int, heads: int):
@@ -83,8 +82,9 @@ def _check(o, m, l, pos, chunks: int, t: int, heads: int):
         raise ValueError(f"positions {pos.shape} {pos.dtype} must be int32 [B, rows] as m {m.shape}")
     if cp != chunks_pad(cp) or not 1 <= chunks <= cp:
         raise ValueError(f"the chunk axis {cp} must be a power of two holding {chunks=} live chunks")
-    if ro < t * heads or e % 16:
-        raise ValueError(f"o holds {ro} rows, fewer than {t=} x {heads=}, or head dim {e} not a multiple of 16")
+    if ro < t * heads or e % 64 and e not in (16, 32):
+        raise ValueError(f"o holds {ro} rows, fewer than {t=} x {heads=}, or head dim {e} is not 16, 32 or a "
+                         f"multiple of 64 (block_e must divide it)")
 
 
 @functools.partial(jax.jit, static_argnames=("chunks", "chunk_k", "t", "heads", "dtype", "block_sizes", "interpret"))

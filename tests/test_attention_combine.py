@@ -71,6 +71,8 @@ def test_bad_partials_raise_naming_the_value():
         ac.combine(o, m, l, pos, chunks=5, t=3, **kw)
     with pytest.raises(ValueError, match="int32"):
         ac.combine(o, m, l, pos[:, :8], chunks=5, t=2, **kw)
+    with pytest.raises(ValueError, match="head dim 80"):
+        ac.combine(o[..., :80], m, l, pos, chunks=5, t=2, **kw)
 
 
 def test_block_e_shrinks_with_the_chunks_and_heads_never_with_the_rows():

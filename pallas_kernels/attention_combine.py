@@ -7,11 +7,11 @@ the chunk axis to a power of two for Triton's blocks, chunks past the lane's las
 attention kernel never writes) is never read, NaN included. Output ``[B, T, G * heads, E]`` (the attention's own
 layout, no transpose after) in the given dtype; rows with no keys are exact zeros.
 
-A program takes one row t's query heads of one (lane, KV head), ``block_e`` columns, over every chunk at once:
-the max (exact in any order), the weights, then the weighted sums over the chunk axis in one register
-reduction. Row invariance: a row's sums use only its own partials, and the reduction's shape (Cp, heads rounded
-to a power of two, block_e) comes from the span and the model, never the number of rows, so a verify row and
-the same row alone take the same bits.
+A program takes one row t's query heads of one (lane, KV head), ``block_e`` columns, over every chunk: the max
+(exact in any order), the weights, then the weighted sums over the chunk axis, ``block_c`` chunks a register
+reduction, the blocks' sums added in order. Row invariance: a row's sums use only its own partials, and the
+reductions' shapes (block_c, heads rounded to a power of two, block_e) come from the span and the model, never
+the number of rows, so a verify row and the same row alone take the same bits.
 
 On the H100 XLA's combine (attention.combine, a pairwise tree) took 5 us a call at one row and 8 us at 8 rows, as
 three fusions (the max, the tree, the divide and transpose; docs/benchmarks.md, twelfth run).
@@ -33,13 +33,15 @@ from pallas_kernels.attention import NEG
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    values: int = 8192  # f32 values of o a program holds at once (Cp x rows x block_e): sets block_e from the chunks
+    values: int = 8192  # f32 values of o a program holds at once (chunks x rows x block_e): sets block_e
+    block_c: int = 32  # chunks a step: more (a 64k span in 256-key chunks has 256) are summed a block at a time
     num_warps: int = 4
 
     def block_e(self, chunks_pad: int, block_rows: int, head_dim: int) -> int:
-        """Columns a program: the most keeping Cp x rows x block_e <= `values`, 16..64, at most the head dim."""
+        """Columns a program: the most keeping chunks a step x rows x block_e <= `values`, 16..64, at most the head
+        dim."""
         e = 64
-        while e > 16 and chunks_pad * block_rows * e > self.values:
+        while e > 16 and min(chunks_pad, self.block_c) * block_rows * e > self.values:
             e //= 2
         return min(e, head_dim)
 
@@ -52,7 +54,8 @@ def chunks_pad(chunks: int) -> int:
     return 1 << (chunks - 1).bit_length()
 
 
-def _kernel(o_ref, m_ref, l_ref, pos_ref, out_ref, *, chunks: int, chunk_k: int, heads: int, block_rows: int):
+def _kernel(o_ref, m_ref, l_ref, pos_ref, out_ref, *, chunks: int, chunk_k: int, heads: int, block_rows: int,
+            block_c: int):
     # o_ref [Cp, R', be] f32 and m_ref, l_ref [Cp, R''] f32 of one (lane, KV head); pos_ref [R''] i32 (-1: padding);
     # out_ref [H, be] of one (lane, t)
     t, j = pl.program_id(1), pl.program_id(2)
@@ -60,15 +63,25 @@ def _kernel(o_ref, m_ref, l_ref, pos_ref, out_ref, *, chunks: int, chunk_k: int,
     cp, be = o_ref.shape[0], o_ref.shape[2]
     iota = functools.partial(lax.broadcasted_iota, jnp.int32)
     pos = plgpu.load(pos_ref.at[rows], mask=iota((block_rows,), 0) < heads, other=-1)
-    chunk = iota((cp, block_rows), 0)
-    # the chunks a row can see: any other (past `chunks`, or past the lane's last position) is never read
-    live = (chunk < chunks) & (chunk * chunk_k <= pos[None, :]) & (iota((cp, block_rows), 1) < heads)
-    m = plgpu.load(m_ref.at[:, rows], mask=live, other=NEG)
-    top = jnp.max(m, axis=0)  # [rows]
-    w = jnp.where(live, jnp.exp(m - top[None, :]), 0.0)
-    lsum = jnp.sum(w * plgpu.load(l_ref.at[:, rows], mask=live, other=0.0), axis=0)
-    o = plgpu.load(o_ref.at[:, rows, :], mask=jnp.broadcast_to(live[:, :, None], (cp, block_rows, be)), other=0.0)
-    osum = jnp.sum(w[:, :, None] * o, axis=0)  # [rows, be]
+
+    def live(c0):  # the chunks from c0 a row can see: any other (past `chunks` or the lane's end) is never read
+        chunk = c0 + iota((block_c, block_rows), 0)
+        return (chunk < chunks) & (chunk * chunk_k <= pos[None, :]) & (iota((block_c, block_rows), 1) < heads)
+
+    def m_of(c0):
+        return plgpu.load(m_ref.at[pl.ds(c0, block_c), rows], mask=live(c0), other=NEG)
+
+    blocks = range(0, cp, block_c)
+    top = functools.reduce(jnp.maximum, [jnp.max(m_of(c0), axis=0) for c0 in blocks])  # [rows]; exact in any order
+    lsum = jnp.zeros((block_rows,), jnp.float32)
+    osum = jnp.zeros((block_rows, be), jnp.float32)
+    for c0 in blocks:  # the sums a block of chunks at a time, in order
+        seen = live(c0)
+        w = jnp.where(seen, jnp.exp(m_of(c0) - top[None, :]), 0.0)
+        lsum += jnp.sum(w * plgpu.load(l_ref.at[pl.ds(c0, block_c), rows], mask=seen, other=0.0), axis=0)
+        o = plgpu.load(o_ref.at[pl.ds(c0, block_c), rows, :],
+                       mask=jnp.broadcast_to(seen[:, :, None], (block_c, block_rows, be)), other=0.0)
+        osum += jnp.sum(w[:, :, None] * o, axis=0)  # [rows, be]
     out = jnp.where(lsum[:, None] > 0, osum / jnp.where(lsum > 0, lsum, 1.0)[:, None], 0.0)
     plgpu.store(out_ref.at[pl.ds(j * heads, block_rows), :], out.astype(out_ref.dtype),
                 mask=iota((block_rows, be), 0) < heads)
@@ -98,7 +111,8 @@ def combine(o: jax.Array, m: jax.Array, l: jax.Array, pos: jax.Array, *, chunks:
     b, g, cp, ro, e = o.shape
     block_rows = chunks_pad(heads)
     be = bs.block_e(cp, block_rows, e)
-    kernel = functools.partial(_kernel, chunks=chunks, chunk_k=chunk_k, heads=heads, block_rows=block_rows)
+    kernel = functools.partial(_kernel, chunks=chunks, chunk_k=chunk_k, heads=heads, block_rows=block_rows,
+                               block_c=min(cp, bs.block_c))
     return pl.pallas_call(
         kernel,
         grid=(b, t, g, e // be),

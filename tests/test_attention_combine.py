@@ -35,7 +35,8 @@ def _combine(parts, rows, **kw):
 
 
 # (chunks, o rows, T, heads, head dim): dense27's 6 heads at 1 and 5 rows, one head, 16 heads (two row blocks)
-CASES = [(5, 16, 2, 6, 128), (1, 8, 8, 1, 64), (32, 8, 1, 6, 256), (33, 32, 5, 6, 256), (3, 32, 2, 16, 64)]
+CASES = [(5, 16, 2, 6, 128), (1, 8, 8, 1, 64), (32, 8, 1, 6, 256), (33, 32, 5, 6, 256), (3, 32, 2, 16, 64),
+         (200, 8, 1, 6, 64)]  # the last: 256 chunks (a 64k span in 256-key chunks), summed 32 at a time
 
 
 @pytest.mark.parametrize("chunks,rows,t,heads,e", CASES)
@@ -76,7 +77,7 @@ def test_bad_partials_raise_naming_the_value():
 
 
 def test_block_e_shrinks_with_the_chunks_and_heads_never_with_the_rows():
-    assert [ac.DEFAULT.block_e(cp, 8, 256) for cp in (1, 16, 32, 64, 128)] == [64, 64, 32, 16, 16]
+    assert [ac.DEFAULT.block_e(cp, 8, 256) for cp in (1, 16, 32, 64, 256)] == [64, 64, 32, 32, 32]
     assert ac.DEFAULT.block_e(16, 16, 256) == 32 and ac.DEFAULT.block_e(1, 8, 32) == 32
 
 

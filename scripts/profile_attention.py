@@ -1,7 +1,9 @@
 """Where one verify-attention call's device time goes: its kernels (the Mosaic kernel, the combine, XLA's prep) at
-dense27's attention shape, the kernel combine against XLA's (`BlockSizes.combine`), per context and rows.
+dense27's attention shape, per context and rows, for each candidate BlockSizes (by default the kernel combine
+against XLA's).
 
   PYTHONPATH=. python3 scripts/profile_attention.py [--contexts 2048,16384,65536] [--rows 1,8] [--sets 4]
+      [--span 65536] [--cands "[dict(), dict(combine='xla'), dict(persistent=True, chunk_k=512)]"]
 
 `--sets` KV pools a call (4 of 16k and up overflow the H100's 50 MB L2; at 2k they fit in it, so the timing
 table of bench_graph.py, which takes more, is the one to quote).
@@ -43,15 +45,18 @@ def main():
     ap.add_argument("--contexts", default="2048,16384,65536")
     ap.add_argument("--rows", default="1,8")
     ap.add_argument("--sets", type=int, default=4)
+    ap.add_argument("--span", type=int, default=0, help="page tables this many keys wide whatever the context")
+    ap.add_argument("--cands", default="[dict(), dict(combine='xla')]",
+                    help="attention_mgpu.BlockSizes keywords, a Python list of dicts")
     args = ap.parse_args()
 
     from bench_graph import kv_sets, verify_rows
 
     from pallas_kernels import attention_mgpu as am
 
-    variants = {"kernel combine": am.DEFAULT, "xla combine": am.BlockSizes(combine="xla")}
+    variants = {str(kw): am.BlockSizes(**kw) for kw in eval(args.cands)}  # noqa: S307 (a benchmark's own flag)
     for ctx in map(int, args.contexts.split(",")):
-        sets = kv_sets(ctx, args.sets)
+        sets = kv_sets(ctx, args.sets, span=args.span)
         for t in map(int, args.rows.split(",")):
             q, pos = verify_rows(ctx, t, 24, 256, seed=t)
             for name, bs in variants.items():

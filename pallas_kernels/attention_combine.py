@@ -68,16 +68,15 @@ def _kernel(o_ref, m_ref, l_ref, pos_ref, out_ref, *, chunks: int, chunk_k: int,
         chunk = c0 + iota((block_c, block_rows), 0)
         return (chunk < chunks) & (chunk * chunk_k <= pos[None, :]) & (iota((block_c, block_rows), 1) < heads)
 
-    def m_of(c0):
-        return plgpu.load(m_ref.at[pl.ds(c0, block_c), rows], mask=live(c0), other=NEG)
-
     blocks = range(0, cp, block_c)
-    top = functools.reduce(jnp.maximum, [jnp.max(m_of(c0), axis=0) for c0 in blocks])  # [rows]; exact in any order
+    seens = [live(c0) for c0 in blocks]
+    ms = [plgpu.load(m_ref.at[pl.ds(c0, block_c), rows], mask=seen, other=NEG)
+          for c0, seen in zip(blocks, seens, strict=True)]
+    top = functools.reduce(jnp.maximum, [jnp.max(m, axis=0) for m in ms])  # [rows]; exact in any order
     lsum = jnp.zeros((block_rows,), jnp.float32)
     osum = jnp.zeros((block_rows, be), jnp.float32)
-    for c0 in blocks:  # the sums a block of chunks at a time, in order
-        seen = live(c0)
-        w = jnp.where(seen, jnp.exp(m_of(c0) - top[None, :]), 0.0)
+    for c0, seen, m in zip(blocks, seens, ms, strict=True):  # the sums a block of chunks at a time, in order
+        w = jnp.where(seen, jnp.exp(m - top[None, :]), 0.0)
         lsum += jnp.sum(w * plgpu.load(l_ref.at[pl.ds(c0, block_c), rows], mask=seen, other=0.0), axis=0)
         o = plgpu.load(o_ref.at[pl.ds(c0, block_c), rows, :],
                        mask=jnp.broadcast_to(seen[:, :, None], (block_c, block_rows, be)), other=0.0)

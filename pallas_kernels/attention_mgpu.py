@@ -276,17 +276,17 @@ def smem_bytes(head_dim: int, window: int, bs: BlockSizes) -> int:
     return 2 * (BLOCK_Q + 2 * bs.stages * bs.block_k) * head_dim + 4 * (BLOCK_Q + PT_WINDOW + window) + store + 6 * 1024
 
 
-def table_width(width: int, chunk_k: int, page: int, bs: BlockSizes) -> int:
+def padded_width(width: int, chunk_k: int, page: int, bs: BlockSizes) -> int:
     """The page table's width as the kernel reads it: every chunk's window in range, a row a multiple of 16 bytes
-    (TMA), and when persistent (a program reads the whole row) of 128 (a warpgroup's bytes)."""
-    chunks = pl.cdiv(width * page, chunk_k)
-    return -(-((chunks - 1) * (chunk_k // page) + page_window(chunk_k, page)) // 4) * 4 if not bs.persistent else (
-        -(-table_width(width, chunk_k, page, DEFAULT) // PT_WINDOW) * PT_WINDOW)
+    (TMA), and when persistent (a program reads the whole row) of PT_WINDOW ids (a warpgroup's 128 bytes)."""
+    need = (pl.cdiv(width * page, chunk_k) - 1) * (chunk_k // page) + page_window(chunk_k, page)
+    unit = PT_WINDOW if bs.persistent else 4
+    return -(-need // unit) * unit
 
 
 def page_ids(width: int, chunk_k: int, page: int, bs: BlockSizes) -> int:
     """Page ids a program holds in shared memory: its chunk's window, or (persistent) the lane's whole table."""
-    return table_width(width, chunk_k, page, bs) if bs.persistent else page_window(chunk_k, page)
+    return padded_width(width, chunk_k, page, bs) if bs.persistent else page_window(chunk_k, page)
 
 
 def supports(head_dim: int, page: int, dtype, bs: BlockSizes = DEFAULT) -> bool:
@@ -330,10 +330,9 @@ def paged_attention(
 ) -> jax.Array:
     """Causal GQA attention of q rows over a lane's pages: ``[B, T, H, E]`` bf16 (as `attention.paged_attention`)."""
     bs = block_sizes or DEFAULT
-    o, m, l, pos, chunk_k = _partials(q, k_pages, v_pages, page_table, positions, bs, interpret)
-    b, t, h, e = q.shape
+    o, m, l, pos, chunk_k, chunks = _partials(q, k_pages, v_pages, page_table, positions, bs, interpret)
+    t, h = q.shape[1:3]
     g = k_pages.shape[2]
-    chunks = pl.cdiv(page_table.shape[1] * k_pages.shape[1], chunk_k)
     if bs.combine == "xla":
         return triton_attention.combine(o[:, :, :chunks], m[:, :, :chunks, : o.shape[3]],
                                         l[:, :, :chunks, : o.shape[3]], t * (h // g), q.shape, q.dtype)
@@ -347,15 +346,15 @@ def paged_partials(q, k_pages, v_pages, page_table, positions, *, block_sizes: B
     """The kernel alone: each chunk's partials for the query rows (row = t * R + head of a KV head), o [B, G, C,
     rows', E] f32 unnormalised, m and l [B, G, C, rows'] f32, rows' >= the real rows (past them: no meaning);
     persistent, chunks past the lane's last position are unwritten."""
-    o, m, l, _, chunk_k = _partials(q, k_pages, v_pages, page_table, positions, block_sizes or DEFAULT, interpret)
-    chunks = pl.cdiv(page_table.shape[1] * k_pages.shape[1], chunk_k)
+    o, m, l, _, _, chunks = _partials(q, k_pages, v_pages, page_table, positions, block_sizes or DEFAULT, interpret)
     return o[:, :, :chunks], m[:, :, :chunks, : o.shape[3]], l[:, :, :chunks, : o.shape[3]]
 
 
 def _partials(q, k_pages, v_pages, page_table, positions, bs: BlockSizes, interpret: bool):
     """The kernel's outputs as written and what the combine needs: (o [B, G, Cp, rows', E], m and l [B, G, Cp,
-    rows_pad], the rows' positions [B, rows_pad] (-1: padding), chunk_k), the chunk axis padded to a power of two for
-    the combine kernel (chunks past C unwritten), rows' the real rows rounded up to 8 (rows_pad in interpret mode)."""
+    rows_pad], the rows' positions [B, rows_pad] (-1: padding), chunk_k, C), the chunk axis padded to a power of two
+    for the combine kernel (chunks past C unwritten), rows' the real rows rounded up to 8 (rows_pad in interpret
+    mode)."""
     _check(q, k_pages, v_pages, page_table, positions, bs)
     b, t, h, e = q.shape
     _, page, g, _ = k_pages.shape
@@ -370,7 +369,7 @@ def _partials(q, k_pages, v_pages, page_table, positions, bs: BlockSizes, interp
     # programs a (lane, KV head): one a chunk, or (persistent) chunk_programs over the KV heads walking chunks strided
     programs = min(chunks, max(1, bs.chunk_programs // g)) if bs.persistent else chunks
     pt = page_table.astype(jnp.int32)  # unallocated (P) is clipped to a real page in the kernel, then masked
-    n_pad = table_width(page_table.shape[1], chunk_k, page, bs)
+    n_pad = padded_width(page_table.shape[1], chunk_k, page, bs)
     pt = jnp.pad(pt, ((0, 0), (0, n_pad - page_table.shape[1])))
     kernel = functools.partial(_kernel, page=page, chunk_k=chunk_k, chunks=chunks, programs=programs, scale=e**-0.5,
                                bs=bs, interpret=interpret)
@@ -392,7 +391,7 @@ def _partials(q, k_pages, v_pages, page_table, positions, bs: BlockSizes, interp
         kernel_name="paged_attention_mgpu",
         interpret=_interpret_params() if interpret else None,
     )(qr, pos, last, pt, k_pages, v_pages)
-    return o, m, l, pos, chunk_k
+    return o, m, l, pos, chunk_k, chunks
 
 
 def _interpret_params():

@@ -260,9 +260,10 @@ def test_a_disconnect_mid_stream_frees_the_lane_within_one_round(served):
     url, server = served
     wait_idle(server)  # the four streams below must find four free lanes
     long = {"prompt": "keep going", "max_tokens": 200, "temperature": 0.9, "ignore_eos": True}
-    streams = [open_stream(url, "/v1/completions", {**long, "seed": i}) for i in range(4)]
-    for _, resp in streams:  # every lane is busy once each stream has its first text
-        next(ev for ev in events(resp) if ev["choices"] and ev["choices"][0]["text"])
+    streams = []
+    for i in range(4):  # each stream holds a lane (its first text) before the next arrives: never a queue of them
+        streams.append(open_stream(url, "/v1/completions", {**long, "seed": i}))
+        next(ev for ev in events(streams[-1][1]) if ev["choices"] and ev["choices"][0]["text"])
     assert len(server.engine.scheduler.running) == 4
     before = len(server.worker.cancel_log)
     conn, resp = streams[0]

@@ -17,16 +17,18 @@ registers, then acc = acc * alpha + P V (P from registers), whose slot then take
 lane's last position has its V rows past it zeroed in shared memory first, so what unwritten or unallocated pages
 hold (NaN included) never reaches a row through 0 * NaN.
 
-Persistent programs (`BlockSizes.persistent`, an A/B option): `chunk_programs` programs over the KV heads, each
-walking chunks c, c + P, ... of a fixed `chunk_k` keys up to the lane's last position as one pipeline (the next
-chunk's tiles load under the last ones of this), each chunk's partial stored as the one-chunk program stores it.
-A short context in a wide page table then still runs on every SM; chunks past the lane's end are never written
-(the combine reads only the chunks each row can see).
+Interleaved chunks (`BlockSizes.interleave`): chunks of a fixed `chunk_k` keys (a tile by default) dealt out
+round-robin, program c of P (`chunk_programs` over the KV heads) taking chunks c, c + P, ... up to the lane's last
+position into one softmax state, one pipeline, one partial. Chunk boundaries no longer follow the span, so a
+short context in a wide page table (an engine's `LaneConfig.context` sets every lane's span) still runs on every
+SM; the span policy gave 2k keys in a 64k span one program a KV head (66 us against 15 at its own span, H100,
+thirteenth run). Each program's page ids are laid out contiguously first (`program_pages`), so it holds only its
+own: 512 at a 262k span.
 
-Row invariance: chunk and tile boundaries are fixed by absolute key position, a row's scores and softmax state
-use only its own q and the keys (an MMA row is its own), and a tile past a row's position is an exact no-op on
-its state: its scores are -inf, so p = 0, alpha = exp(m - m) = 1, acc * 1 + 0 and l * 1 + 0 keep their bits.
-Chunks past a row contribute exact zeros to the combine: `attention_combine` (one Triton launch writing [B, T, H,
+Row invariance: chunk and tile boundaries are fixed by absolute key position (and which program takes a chunk by
+static P), a row's scores and softmax state use only its own q and the keys (an MMA row is its own), and a tile
+past a row's position is an exact no-op on its state: its scores are -inf, so p = 0, alpha = exp(m - m) = 1, acc
+* 1 + 0 and l * 1 + 0 keep their bits. Partials whose first key is past a row are never read by the combine: `attention_combine` (one Triton launch writing [B, T, H,
 E]; 2.7-6 us a call faster than XLA's three fusions on the H100, twelfth run), or with `combine="xla"` the Triton
 kernel's `attention.combine`.
 
@@ -67,15 +69,15 @@ class BlockSizes:
     # the partials' combine: "kernel" (attention_combine, one launch) or "xla" (attention.combine, three fusions;
     # H100 twelfth run: 5 us at one row, 8 at 8 rows)
     combine: str = "kernel"
-    # programs walk fixed chunks (chunk_k keys) strided, chunk_programs of them over the KV heads, each chunk's partial
-    # stored under the next one's loads: a short context in a wide span keeps every SM busy (an A/B option; off)
-    persistent: bool = False
+    # fixed chunks (chunk_k keys, block_k when 0) dealt round-robin to chunk_programs programs over the KV heads, each
+    # program's chunks one softmax state: a short context in a wide span keeps every SM busy
+    interleave: bool = False
     probe: str = ""  # timing probe (wrong results): "loads" moves every tile by TMA, no dots or softmax
 
     def chunk_for(self, span: int, kv_heads: int) -> int:
         """Keys per program for a lane span of `span` keys (from the span and the KV heads, never the rows)."""
-        if self.chunk_k:
-            return self.chunk_k
+        if self.chunk_k or self.interleave:
+            return self.chunk_k or self.block_k
         return triton_attention.chunk_keys(span, kv_heads, self.block_k, self.chunk_programs)
 
 
@@ -88,17 +90,17 @@ def page_window(chunk_k: int, page: int) -> int:
 
 
 def _kernel(q_gmem, pos_gmem, last_gmem, pt_gmem, k_gmem, v_gmem, o_gmem, m_gmem, l_gmem, *, page, chunk_k, chunks,
-            programs, scale, bs: BlockSizes, interpret: bool):
+            programs, ids, stride, scale, bs: BlockSizes, interpret: bool):
     # q_gmem [B, G, rows_pad, E] bf16; pos_gmem [B, rows_pad] i32 (-1: padding); last_gmem [B, 32] i32 (the lane's
     # last position at 0); pt_gmem [B, n_pad] i32 (P or more: unallocated); k_gmem, v_gmem [P, page, G, E]; o_gmem
-    # [B, G, Cp, rows, E] f32 (unnormalised); m_gmem, l_gmem [B, G, Cp, rows_pad] f32 (chunks past C: unwritten)
+    # [B, G, Cp, rows, E] f32 (unnormalised); m_gmem, l_gmem [B, G, Cp, rows_pad] f32, a partial a program (Cp >=
+    # programs: past them unwritten); pt_gmem holds a program's `ids` page ids from `pt_base` (see `_partials`)
     qi, c, j, b = (lax.axis_index(n) for n in ("q", "c", "g", "b"))
     e = q_gmem.shape[-1]
     bk, stages = bs.block_k, bs.stages
     per_tile = bk // page
     tpc = chunk_k // bk  # tiles a chunk
-    ids = pt_gmem.shape[1] if bs.persistent else page_window(chunk_k, page)  # page ids in shared memory
-    pt_base = 0 if bs.persistent else c * (chunk_k // page)  # the lane's page index of the first of them
+    pt_base = c * stride  # the program's first page id in the table row
     rows = pl.ds(qi * BLOCK_Q, BLOCK_Q)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
@@ -114,7 +116,7 @@ def _kernel(q_gmem, pos_gmem, last_gmem, pt_gmem, k_gmem, v_gmem, o_gmem, m_gmem
         x = jnp.full(shape, value, jnp.float32)
         return x if interpret else plgpu.layout_cast(x, layout)
 
-    def store(acc, m, l, chunk, o_smem, ml_smem, final: bool):  # a chunk's partials, 64 columns of o a TMA store
+    def store(acc, m, l, chunk, o_smem, ml_smem):  # the program's partials, 64 columns of o a TMA store
         ml_smem[0] = m
         ml_smem[1] = l
         for f in range(e // 64):
@@ -125,9 +127,9 @@ def _kernel(q_gmem, pos_gmem, last_gmem, pt_gmem, k_gmem, v_gmem, o_gmem, m_gmem
             plgpu.copy_smem_to_gmem(o_smem.at[slot], o_gmem.at[b, j, chunk, rows, pl.ds(f * 64, 64)])
         plgpu.copy_smem_to_gmem(ml_smem.at[0], m_gmem.at[b, j, chunk, rows])
         plgpu.copy_smem_to_gmem(ml_smem.at[1], l_gmem.at[b, j, chunk, rows])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=not final)  # not final: the buffers free for the next chunk
+        plgpu.wait_smem_to_gmem(0)
 
-    def loop(q_smem, pos_smem, last_smem, pt_smem, k_smem, v_smem, head_bar, k_bars, v_bars, *out_smem):
+    def loop(q_smem, pos_smem, last_smem, pt_smem, k_smem, v_smem, head_bar, k_bars, v_bars):
         plgpu.copy_gmem_to_smem(last_gmem.at[b], last_smem, head_bar.at[0])
         for off in range(0, ids, PT_PIECE):  # past 256 ids (a 4096-key chunk of 16-key pages) in pieces
             n = min(PT_PIECE, ids - off)
@@ -140,7 +142,7 @@ def _kernel(q_gmem, pos_gmem, last_gmem, pt_gmem, k_gmem, v_gmem, o_gmem, m_gmem
         def tiles_of(chunk):  # tiles of a chunk any row of the lane can see
             return jnp.clip((last - chunk * chunk_k) // bk + 1, 0, tpc)
 
-        if bs.persistent:  # chunks c, c + P, ... up to the lane's last position; all but the lane's last are whole
+        if bs.interleave:  # chunks c, c + P, ... up to the lane's last position; all but the lane's last are whole
             live = jnp.minimum((last + chunk_k) // chunk_k, chunks)
             mine = (live - c + programs - 1) // programs  # >= 0: c < programs
             before = jnp.maximum(mine, 1) - 1  # whole chunks before the last (none: tiles_of(c) is 0 then)
@@ -149,14 +151,14 @@ def _kernel(q_gmem, pos_gmem, last_gmem, pt_gmem, k_gmem, v_gmem, o_gmem, m_gmem
             total = tiles_of(c)
 
         def chunk_of(u):  # the chunk of the program's u-th tile
-            return c + (u // tpc) * programs if bs.persistent else c
+            return c + (u // tpc) * programs if bs.interleave else c
 
         def within(u):  # its tile within that chunk
-            return lax.rem(u, tpc) if bs.persistent else u
+            return lax.rem(u, tpc) if bs.interleave else u
 
         def issue(u, pages_gmem, pages_smem, bars):  # tile u's K or V pages into its slot, one TMA copy a page
             slot = lax.rem(u, stages)
-            first = (chunk_of(u) * chunk_k + within(u) * bk) // page - pt_base
+            first = u * per_tile  # a program's page ids are its tiles' in order
             for p in range(per_tile):
                 pid = jnp.clip(pt_smem[first + p], 0, k_gmem.shape[0] - 1)  # unallocated: a real page, masked
                 plgpu.copy_gmem_to_smem(pages_gmem.at[pid, :, j], pages_smem.at[slot, pl.ds(p * page, page)],
@@ -232,17 +234,7 @@ def _kernel(q_gmem, pos_gmem, last_gmem, pt_gmem, k_gmem, v_gmem, o_gmem, m_gmem
             return (full((BLOCK_Q, e), 0.0, plgpu.Layout.WGMMA), full((BLOCK_Q,), NEG, row_layout),
                     full((BLOCK_Q,), 0.0, row_layout))
 
-        if not bs.persistent:
-            return lax.fori_loop(0, total, tile, init())
-
-        def chunk_body(k, carry):  # one chunk's tiles from a fresh state, then its partials
-            chunk = c + k * programs
-            acc, m, l = lax.fori_loop(k * tpc, k * tpc + tiles_of(chunk), tile, init())
-            store(acc, m, l, chunk, *out_smem, final=False)
-            return carry
-
-        lax.fori_loop(0, mine, chunk_body, 0)
-        plgpu.wait_smem_to_gmem(0)
+        return lax.fori_loop(0, total, tile, init())
 
     scratch = [
         plgpu.SMEM((BLOCK_Q, e), q_gmem.dtype, transforms=SWIZZLED),
@@ -257,11 +249,8 @@ def _kernel(q_gmem, pos_gmem, last_gmem, pt_gmem, k_gmem, v_gmem, o_gmem, m_gmem
         plgpu.Barrier(num_arrivals=per_tile, num_barriers=stages),
     ]
     out_scratch = [plgpu.SMEM((2, BLOCK_Q, 64), jnp.float32), plgpu.SMEM((2, BLOCK_Q), jnp.float32)]
-    if bs.persistent:  # each chunk's partials stored under the next chunk's loads
-        pl.run_scoped(loop, *scratch, *out_scratch)
-    else:  # one chunk: its store after the loop, in shared memory the K and V stages held
-        acc, m, l = pl.run_scoped(loop, *scratch)
-        pl.run_scoped(lambda o_smem, ml_smem: store(acc, m, l, c, o_smem, ml_smem, final=True), *out_scratch)
+    acc, m, l = pl.run_scoped(loop, *scratch)  # the partial's store after the loop, in shared memory K and V held
+    pl.run_scoped(lambda o_smem, ml_smem: store(acc, m, l, c, o_smem, ml_smem), *out_scratch)
 
 
 HEAD_DIMS = (64, 128, 256)
@@ -269,31 +258,52 @@ SMEM_BYTES = 227 * 1024  # shared memory a Hopper block may take
 
 
 def smem_bytes(head_dim: int, window: int, bs: BlockSizes) -> int:
-    """Shared memory of the main loop: the query block, K and V stages, positions, `window` page ids, the partials'
-    store buffers when persistent, and 6 KB for barriers, alignment and Mosaic's own (its lowering counted 4.6 KB
-    more than the buffers at head dim 256, 3 stages)."""
-    store = (2 * BLOCK_Q * 64 + 2 * BLOCK_Q) * 4 if bs.persistent else 0
-    return 2 * (BLOCK_Q + 2 * bs.stages * bs.block_k) * head_dim + 4 * (BLOCK_Q + PT_WINDOW + window) + store + 6 * 1024
+    """Shared memory of the main loop: the query block, K and V stages, positions, `window` page ids, and 6 KB for
+    barriers, alignment and Mosaic's own (its lowering counted 4.6 KB more than the buffers at head dim 256, 3
+    stages)."""
+    return 2 * (BLOCK_Q + 2 * bs.stages * bs.block_k) * head_dim + 4 * (BLOCK_Q + PT_WINDOW + window) + 6 * 1024
 
 
-def padded_width(width: int, chunk_k: int, page: int, bs: BlockSizes) -> int:
-    """The page table's width as the kernel reads it: every chunk's window in range, a row a multiple of 16 bytes
-    (TMA), and when persistent (a program reads the whole row) of PT_WINDOW ids (a warpgroup's 128 bytes)."""
-    need = (pl.cdiv(width * page, chunk_k) - 1) * (chunk_k // page) + page_window(chunk_k, page)
-    unit = PT_WINDOW if bs.persistent else 4
-    return -(-need // unit) * unit
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A lane span's split: `chunks` of `chunk_k` keys over `programs` programs a (lane, KV head), one partial each;
+    a program holds `ids` page ids, from `c * stride` of a page table row `width` ids wide as the kernel reads it."""
+
+    chunk_k: int
+    chunks: int
+    programs: int
+    ids: int
+    stride: int
+    width: int
 
 
-def page_ids(width: int, chunk_k: int, page: int, bs: BlockSizes) -> int:
-    """Page ids a program holds in shared memory: its chunk's window, or (persistent) the lane's whole table."""
-    return padded_width(width, chunk_k, page, bs) if bs.persistent else page_window(chunk_k, page)
+def plan(width: int, page: int, kv_heads: int, bs: BlockSizes) -> Plan:
+    """The split of a span of `width` pages (from the span, the KV heads and `bs`, never the rows)."""
+    chunk_k = bs.chunk_for(width * page, kv_heads)
+    chunks = pl.cdiv(width * page, chunk_k)
+    if not bs.interleave:  # program c: chunk c, its window of ids (every window in range, rows of 16 bytes for TMA)
+        ids = page_window(chunk_k, page)
+        need = (chunks - 1) * (chunk_k // page) + ids
+        return Plan(chunk_k, chunks, chunks, ids, chunk_k // page, -(-need // 4) * 4)
+    programs = min(chunks, max(1, bs.chunk_programs // kv_heads))
+    ids = -(-pl.cdiv(chunks, programs) * (chunk_k // page) // PT_WINDOW) * PT_WINDOW  # whole warpgroup loads
+    return Plan(chunk_k, chunks, programs, ids, ids, programs * ids)
+
+
+def program_pages(page_table: jax.Array, page: int, p: Plan) -> jax.Array:
+    """An interleaved plan's page table: each program's page ids in the order its tiles take them, `p.ids` apiece."""
+    b, w = page_table.shape
+    per = pl.cdiv(p.chunks, p.programs) * (p.chunk_k // page)  # a program's ids before padding
+    t = jnp.pad(page_table, ((0, 0), (0, per * p.programs - w)))
+    t = t.reshape(b, -1, p.programs, p.chunk_k // page).transpose(0, 2, 1, 3).reshape(b, p.programs, per)
+    return jnp.pad(t, ((0, 0), (0, 0), (0, p.ids - per))).reshape(b, p.width)
 
 
 def supports(head_dim: int, page: int, dtype, bs: BlockSizes = DEFAULT) -> bool:
     """Whether the kernel serves this head dim, page size and dtype (q and pages; callers take the Triton kernel
     otherwise)."""
     return (head_dim in HEAD_DIMS and page % 8 == 0 and bs.block_k % page == 0 and dtype == jnp.bfloat16
-            and smem_bytes(head_dim, 4096 if bs.persistent else 1024, bs) <= SMEM_BYTES)  # a 64k / 16k span in 16s
+            and smem_bytes(head_dim, 1024, bs) <= SMEM_BYTES)  # a 16k-key chunk's or a 1M span's ids in pages of 16
 
 
 def _check(q, k_pages, v_pages, page_table, positions, bs: BlockSizes):
@@ -308,10 +318,7 @@ def _check(q, k_pages, v_pages, page_table, positions, bs: BlockSizes):
     if bs.stages < 1 or bs.chunk_programs < 1 or bs.probe not in ("", "loads") or bs.combine not in ("kernel", "xla"):
         raise ValueError(f"stages={bs.stages} and chunk_programs={bs.chunk_programs} must be >= 1, probe "
                          f"{bs.probe!r} one of '', 'loads', combine {bs.combine!r} 'kernel' or 'xla'")
-    if bs.persistent and (not bs.chunk_k or bs.combine != "kernel"):
-        raise ValueError(f"persistent programs take fixed chunks (chunk_k={bs.chunk_k}) and the combine kernel "
-                         f"(combine={bs.combine!r}): chunks past the lane's last position stay unwritten")
-    ids = page_ids(page_table.shape[1], bs.chunk_for(page_table.shape[1] * page, k_pages.shape[2]), page, bs)
+    ids = plan(page_table.shape[1], page, k_pages.shape[2], bs).ids
     if (need := smem_bytes(q.shape[-1], ids, bs)) > SMEM_BYTES:
         raise ValueError(f"stages={bs.stages} of block_k={bs.block_k} at head dim {q.shape[-1]} with {ids} page ids "
                          f"need {need} bytes of shared memory, more than {SMEM_BYTES}")
@@ -330,31 +337,31 @@ def paged_attention(
 ) -> jax.Array:
     """Causal GQA attention of q rows over a lane's pages: ``[B, T, H, E]`` bf16 (as `attention.paged_attention`)."""
     bs = block_sizes or DEFAULT
-    o, m, l, pos, chunk_k, chunks = _partials(q, k_pages, v_pages, page_table, positions, bs, interpret)
+    o, m, l, pos, chunk_k, parts = _partials(q, k_pages, v_pages, page_table, positions, bs, interpret)
     t, h = q.shape[1:3]
     g = k_pages.shape[2]
     if bs.combine == "xla":
-        return triton_attention.combine(o[:, :, :chunks], m[:, :, :chunks, : o.shape[3]],
-                                        l[:, :, :chunks, : o.shape[3]], t * (h // g), q.shape, q.dtype)
-    return attention_combine.combine(o, m, l, pos, chunks=chunks, chunk_k=chunk_k, t=t, heads=h // g, dtype=q.dtype,
+        return triton_attention.combine(o[:, :, :parts], m[:, :, :parts, : o.shape[3]],
+                                        l[:, :, :parts, : o.shape[3]], t * (h // g), q.shape, q.dtype)
+    return attention_combine.combine(o, m, l, pos, chunks=parts, chunk_k=chunk_k, t=t, heads=h // g, dtype=q.dtype,
                                      interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
 def paged_partials(q, k_pages, v_pages, page_table, positions, *, block_sizes: BlockSizes | None = None,
                    interpret: bool = False):
-    """The kernel alone: each chunk's partials for the query rows (row = t * R + head of a KV head), o [B, G, C,
-    rows', E] f32 unnormalised, m and l [B, G, C, rows'] f32, rows' >= the real rows (past them: no meaning);
-    persistent, chunks past the lane's last position are unwritten."""
-    o, m, l, _, _, chunks = _partials(q, k_pages, v_pages, page_table, positions, block_sizes or DEFAULT, interpret)
-    return o[:, :, :chunks], m[:, :, :chunks, : o.shape[3]], l[:, :, :chunks, : o.shape[3]]
+    """The kernel alone: each program's partials (its chunk, or interleaved its chunks c, c + P, ...) for the query
+    rows (row = t * R + head of a KV head), o [B, G, C, rows', E] f32 unnormalised, m and l [B, G, C, rows'] f32,
+    rows' >= the real rows (past them: no meaning)."""
+    o, m, l, _, _, parts = _partials(q, k_pages, v_pages, page_table, positions, block_sizes or DEFAULT, interpret)
+    return o[:, :, :parts], m[:, :, :parts, : o.shape[3]], l[:, :, :parts, : o.shape[3]]
 
 
 def _partials(q, k_pages, v_pages, page_table, positions, bs: BlockSizes, interpret: bool):
     """The kernel's outputs as written and what the combine needs: (o [B, G, Cp, rows', E], m and l [B, G, Cp,
-    rows_pad], the rows' positions [B, rows_pad] (-1: padding), chunk_k, C), the chunk axis padded to a power of two
-    for the combine kernel (chunks past C unwritten), rows' the real rows rounded up to 8 (rows_pad in interpret
-    mode)."""
+    rows_pad], the rows' positions [B, rows_pad] (-1: padding), chunk_k, C), a partial a program, C of them (its
+    first key at c * chunk_k), the axis padded to a power of two for the combine kernel (past C unwritten), rows' the
+    real rows rounded up to 8 (rows_pad in interpret mode)."""
     _check(q, k_pages, v_pages, page_table, positions, bs)
     b, t, h, e = q.shape
     _, page, g, _ = k_pages.shape
@@ -364,21 +371,17 @@ def _partials(q, k_pages, v_pages, page_table, positions, bs: BlockSizes, interp
     span = page_table.shape[1] * page
     qr, pos = triton_attention.query_rows(q, positions, g, rows_pad, span)
     last = jnp.pad(jnp.max(pos, axis=1, keepdims=True), ((0, 0), (0, PT_WINDOW - 1)))
-    chunk_k = bs.chunk_for(span, g)
-    chunks = pl.cdiv(span, chunk_k)
-    # programs a (lane, KV head): one a chunk, or (persistent) chunk_programs over the KV heads walking chunks strided
-    programs = min(chunks, max(1, bs.chunk_programs // g)) if bs.persistent else chunks
+    p = plan(page_table.shape[1], page, g, bs)
     pt = page_table.astype(jnp.int32)  # unallocated (P) is clipped to a real page in the kernel, then masked
-    n_pad = padded_width(page_table.shape[1], chunk_k, page, bs)
-    pt = jnp.pad(pt, ((0, 0), (0, n_pad - page_table.shape[1])))
-    kernel = functools.partial(_kernel, page=page, chunk_k=chunk_k, chunks=chunks, programs=programs, scale=e**-0.5,
-                               bs=bs, interpret=interpret)
+    pt = program_pages(pt, page, p) if bs.interleave else jnp.pad(pt, ((0, 0), (0, p.width - pt.shape[1])))
+    kernel = functools.partial(_kernel, page=page, chunk_k=p.chunk_k, chunks=p.chunks, programs=p.programs, ids=p.ids,
+                               stride=p.stride, scale=e**-0.5, bs=bs, interpret=interpret)
     qb = rows_pad // BLOCK_Q
     # o of the real rows rounded up to 8 (TMA drops a block's rows past the array; Mosaic took 28 rows for no
     # store); m and l whole blocks: a 1-D TMA store past the rows spilled into the next chunk's (H100, jax 0.11.2);
     # the interpreter takes no block past an array's end
     o_rows = rows_pad if interpret else min(pl.cdiv(rows, 8) * 8, rows_pad)
-    cp = attention_combine.chunks_pad(chunks)
+    cp = attention_combine.chunks_pad(p.programs)
     o, m, l = plgpu.kernel(
         kernel,
         out_type=[
@@ -386,12 +389,12 @@ def _partials(q, k_pages, v_pages, page_table, positions, bs: BlockSizes, interp
             jax.ShapeDtypeStruct((b, g, cp, rows_pad), jnp.float32),
             jax.ShapeDtypeStruct((b, g, cp, rows_pad), jnp.float32),
         ],
-        grid=(qb, programs, g, b),
+        grid=(qb, p.programs, g, b),
         grid_names=("q", "c", "g", "b"),
         kernel_name="paged_attention_mgpu",
         interpret=_interpret_params() if interpret else None,
     )(qr, pos, last, pt, k_pages, v_pages)
-    return o, m, l, pos, chunk_k, chunks
+    return o, m, l, pos, p.chunk_k, p.programs
 
 
 def _interpret_params():

@@ -608,7 +608,7 @@ def flash_section():
 
 
 # --- dense27 decode ---
-def decode_section(steps=20, context=2048, layers=0, modes=("reference", "kernel"), rows=1):
+def decode_section(steps=20, context=2048, layers=0, modes=("reference", "kernel"), rows=1, span=0):
     import functools
 
     import jax
@@ -641,7 +641,7 @@ def decode_section(steps=20, context=2048, layers=0, modes=("reference", "kernel
             fused, packed = serving_layout(model)
             print(f"  fused {fused} projection groups, repacked {packed} linears", flush=True)
         gd, ps = nnx.split(model) if os.environ.get("BENCH_PARAMS") == "state" else models.split(model)  # A/B
-        cache = model.init_cache(1, context + 4 * steps + 64)
+        cache = model.init_cache(1, span or context + 4 * steps + 64)
         key = jax.random.key(7)
         cache.layers = [DeltaState(l.conv, jax.random.normal(key, l.state.shape) * 0.01) if isinstance(l, DeltaState)
                         else type(l)(jax.random.normal(key, l.k.shape, l.k.dtype) * 0.5,
@@ -781,6 +781,8 @@ def main():
                     "verify shape, the engine's default)")
     ap.add_argument("--decode-context", type=int, default=2048, help="decode: the lane's context (keys before the "
                     "first step)")
+    ap.add_argument("--decode-span", type=int, default=0, help="decode: the cache's keys a lane (0: the context "
+                    "and the steps; more: a lane of a longer-context engine)")
     ap.add_argument("--layers", type=int, default=0, help="decode: truncate the layer count (0 = all 64)")
     ap.add_argument("--decode-modes", default="reference,kernel", help="decode: the paths to time")
     ap.add_argument("--pairs-policy", default="", help="decode: keywords replacing the pair layout's dispatch tiles, "
@@ -843,7 +845,7 @@ def main():
                     if "prompt" not in sections:  # prompt runs it too
                         flash_section()
                 else:
-                    decode_section(context=a.decode_context, layers=a.layers, modes=tuple(a.decode_modes.split(",")),
+                    decode_section(context=a.decode_context, span=a.decode_span, layers=a.layers, modes=tuple(a.decode_modes.split(",")),
                                    rows=a.decode_rows)
             except Exception as e:  # one failing section must not lose the others' numbers
                 import traceback

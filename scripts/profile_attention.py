@@ -3,7 +3,7 @@ dense27's attention shape, per context and rows, for each candidate BlockSizes (
 against XLA's).
 
   PYTHONPATH=. python3 scripts/profile_attention.py [--contexts 2048,16384,65536] [--rows 1,8] [--sets 4]
-      [--span 65536] [--cands "[dict(), dict(combine='xla'), dict(persistent=True, chunk_k=512)]"]
+      [--span 65536] [--cands "[dict(), dict(combine='xla'), dict(interleave=True)]"]
 
 `--sets` KV pools a call (4 of 16k and up overflow the H100's 50 MB L2; at 2k they fit in it, so the timing
 table of bench_graph.py, which takes more, is the one to quote).

@@ -12,8 +12,8 @@ from pallas_kernels import attention_combine as ac
 
 def _partials(seed, b=2, g=3, chunks=5, rows=16, rows_ml=64, e=128, chunk_k=256):
     """Random partials with the shapes the Mosaic attention writes (rows: T x heads rounded up to 8; the last a
-    padding row at position -1), each row at a random position: NaN in every chunk a row cannot see (past it a
-    persistent kernel never writes) and in the chunk axis' padding (never written on the GPU)."""
+    padding row at position -1), each row at a random position: NaN in every chunk a row cannot see (what the
+    attention wrote there has no meaning for the row) and in the chunk axis' padding (never written on the GPU)."""
     rng = np.random.default_rng(seed)
     cp = ac.chunks_pad(chunks)
     o = rng.standard_normal((b, g, cp, rows, e)).astype(np.float32) * 3

@@ -21,8 +21,9 @@ def _check(args, bs, interpret):
     finished(check_kernel(am.paged_attention, am.reference, args, bs, interpret, jnp.bfloat16))
 
 
-def _partials_reference(q, k_pages, v_pages, page_table, positions, chunk_k):
-    """Numpy float64: each chunk's (o unnormalised, m, l) per query row, as the kernel's contract states them."""
+def _partials_reference(q, k_pages, v_pages, page_table, positions, chunk_k, programs):
+    """Numpy float64: each program's (o unnormalised, m, l) per query row, as the kernel's contract states them:
+    program c takes chunk c, or of `programs` interleaved, chunks c, c + programs, ..."""
     b, t, h, e = q.shape
     _, page, g, _ = k_pages.shape
     rows, span = t * (h // g), page_table.shape[1] * page
@@ -31,14 +32,14 @@ def _partials_reference(q, k_pages, v_pages, page_table, positions, chunk_k):
     table = np.asarray(page_table)
     k = np.asarray(k_pages, np.float64)[table].reshape(b, span, g, e)
     v = np.asarray(v_pages, np.float64)[table].reshape(b, span, g, e)
-    chunks = -(-span // chunk_k)
-    o, m, l = np.zeros((b, g, chunks, rows, e)), np.full((b, g, chunks, rows), pa.NEG), np.zeros((b, g, chunks, rows))
+    parts = programs or -(-span // chunk_k)
+    o, m, l = np.zeros((b, g, parts, rows, e)), np.full((b, g, parts, rows), pa.NEG), np.zeros((b, g, parts, rows))
     keys = np.arange(span)
     for i in range(b):
         for j in range(g):
             s = qr[i, j] @ k[i, :, j].T * e**-0.5  # [rows, span]
-            for c in range(chunks):
-                seen = (keys[None] // chunk_k == c) & (keys[None] <= pos[i][:, None])  # [rows, span]
+            for c in range(parts):
+                seen = ((keys[None] // chunk_k) % parts == c) & (keys[None] <= pos[i][:, None])  # [rows, span]
                 live = seen.any(1)
                 mc = np.where(seen, s, -np.inf).max(1)
                 p = np.where(seen, np.exp(s - np.where(live, mc, 0)[:, None]), 0.0)
@@ -54,15 +55,10 @@ def _check_partials(args, bs, interpret):
     q, k_pages, _, page_table, _ = args
     parts = finished(am.paged_partials(*args, block_sizes=bs, interpret=interpret))
     o, m, l = (np.asarray(x, np.float64) for x in parts)
-    chunk_k = (bs or am.DEFAULT).chunk_for(page_table.shape[1] * k_pages.shape[1], k_pages.shape[2])
-    ro, rm, rl = _partials_reference(*args, chunk_k)
+    p = am.plan(page_table.shape[1], k_pages.shape[1], k_pages.shape[2], bs or am.DEFAULT)
+    ro, rm, rl = _partials_reference(*args, p.chunk_k, p.programs)
     rows = ro.shape[3]
     o, m, l = o[:, :, :, :rows], m[:, :, :, :rows], l[:, :, :, :rows]
-    if bs is not None and bs.persistent:  # chunks past a lane's last position are never written: none to compare
-        written = (np.arange(o.shape[2]) * chunk_k <= np.asarray(args[4]).max(1)[:, None])[:, None, :, None]
-        o, ro = np.where(written[..., None], o, 0.0), np.where(written[..., None], ro, 0.0)
-        m, rm = np.where(written, m, pa.NEG), np.where(written, rm, pa.NEG)
-        l, rl = np.where(written, l, 0.0), np.where(written, rl, 0.0)
     live = rl > 0
     np.testing.assert_allclose(np.where(live, m, 0), np.where(live, rm, 0), rtol=1e-2, atol=1e-2)
     np.testing.assert_allclose(l, rl, rtol=1e-2, atol=1e-2)
@@ -101,34 +97,42 @@ def test_interpret_fixed_chunks_over_a_wide_page_table_match_reference():
         _check((q, kp, vp, table, positions), bs, True)
 
 
-PERSISTENT = am.BlockSizes(chunk_k=128, chunk_programs=4, persistent=True)  # 2 KV heads: 2 programs walk the chunks
+INTERLEAVED = am.BlockSizes(chunk_programs=4, interleave=True)  # 2 KV heads: 2 programs take the 64-key chunks
 
 
 @pytest.mark.parametrize("t,bs", [(8, am.DEFAULT), (1, am.DEFAULT), (8, am.BlockSizes(chunk_programs=8)),
-                                  (3, PERSISTENT)],
-                         ids=["8-rows", "1-row", "5-tiles-a-chunk", "persistent"])
+                                  (3, INTERLEAVED), (2, am.BlockSizes(chunk_k=128, chunk_programs=6, interleave=True))],
+                         ids=["8-rows", "1-row", "5-tiles-a-chunk", "interleaved", "interleaved-3-programs"])
 def test_interpret_partials_per_chunk_and_row_match_numpy(t, bs):
     _check_partials(_case(np.random.default_rng(t), 1, t, 12, 2, 64, 20, 16, jnp.bfloat16), bs, True)
 
 
-def test_interpret_persistent_programs_take_each_chunks_bits_over_a_wide_page_table():
-    """Programs walking chunks c, c + P, ... (their pipeline running on across chunks) give each chunk the partial a
-    program of its own gives it: the same bits at the same chunk size, lanes of different lengths in a wide table."""
+def test_interpret_interleaved_chunks_give_the_same_bits_in_a_wider_page_table():
+    """Interleaved, a lane's split follows its keys, not the span: the same lanes (of different lengths) in a page
+    table twice as wide (unallocated entries) take the same bits, and equal the reference."""
     rng = np.random.default_rng(12)
     q, kp, vp, pt, _ = _case(rng, 2, 3, 4, 2, 64, 30, 16, jnp.bfloat16)
-    table = jnp.concatenate([pt, jnp.full((2, 34), kp.shape[0], jnp.int32)], axis=1)  # 64 pages, 30 allocated
-    positions = jnp.asarray([[470, 471, 472], [60, 61, 62]], jnp.int32)  # 4 chunks of 128 keys, and 1
-    one_each = finished(am.paged_attention(q, kp, vp, table, positions, block_sizes=am.BlockSizes(chunk_k=128),
-                                           interpret=True))
-    walked = finished(am.paged_attention(q, kp, vp, table, positions, block_sizes=PERSISTENT, interpret=True))
-    np.testing.assert_array_equal(np.asarray(walked).view(np.uint16), np.asarray(one_each).view(np.uint16))
-    assert rel_err(walked, am.reference(q, kp, vp, table, positions)) < 1e-2
+    wide = jnp.concatenate([pt, jnp.full((2, 34), kp.shape[0], jnp.int32)], axis=1)  # 64 pages, 30 allocated
+    positions = jnp.asarray([[470, 471, 472], [60, 61, 62]], jnp.int32)  # 8 chunks of 64 keys, and 1
+    own = finished(am.paged_attention(q, kp, vp, pt, positions, block_sizes=INTERLEAVED, interpret=True))
+    walked = finished(am.paged_attention(q, kp, vp, wide, positions, block_sizes=INTERLEAVED, interpret=True))
+    np.testing.assert_array_equal(np.asarray(walked).view(np.uint16), np.asarray(own).view(np.uint16))
+    assert rel_err(walked, am.reference(q, kp, vp, wide, positions)) < 1e-2
 
 
-def test_interpret_rows_bit_identical_to_each_row_alone():
+def test_program_pages_deal_each_programs_tiles_in_order():
+    p = am.plan(14, 16, 2, INTERLEAVED)  # 2 programs, 4 pages a chunk, 4 chunks (the last half allocated)
+    table = am.program_pages(jnp.arange(14)[None], 16, p).reshape(p.programs, p.ids)
+    assert (p.chunks, p.programs, p.ids) == (4, 2, am.PT_WINDOW)
+    assert table[0, :8].tolist() == [0, 1, 2, 3, 8, 9, 10, 11] and table[1, :6].tolist() == [4, 5, 6, 7, 12, 13]
+
+
+@pytest.mark.parametrize("bs", [am.DEFAULT, INTERLEAVED], ids=["default", "interleaved"])
+def test_interpret_rows_bit_identical_to_each_row_alone(bs):
     rng = np.random.default_rng(3)
     q, kp, vp, pt, pos = _case(rng, 1, 5, 4, 2, 64, 8, 16, jnp.bfloat16, [[60, 61, 62, 63, 64]])
-    f = lambda q, pos: np.asarray(finished(am.paged_attention(q, kp, vp, pt, pos, interpret=True))).view(np.uint16)
+    f = lambda q, pos: np.asarray(finished(am.paged_attention(q, kp, vp, pt, pos, block_sizes=bs,
+                                                              interpret=True))).view(np.uint16)
     full = f(q, pos)
     for i in range(5):
         np.testing.assert_array_equal(f(q[:, i : i + 1], pos[:, i : i + 1])[:, 0], full[:, i], err_msg=f"row {i}")
@@ -149,7 +153,7 @@ def test_interpret_nan_past_the_last_position_never_reaches_a_row():
 
 
 @pytest.mark.parametrize("bs", [am.DEFAULT, am.BlockSizes(probe="loads"), am.BlockSizes(block_k=128, stages=1),
-                                PERSISTENT], ids=["default", "loads-probe", "long-tiles", "persistent"])
+                                am.BlockSizes(interleave=True)], ids=["default", "loads-probe", "long-tiles", "interleaved"])
 def test_lowers_to_mosaic_gpu_for_cuda(bs):
     text = am.lowered_for_gpu((1, 8, 24, 256), (256, 16, 4, 256), 256, bs)
     assert "mosaic_gpu" in text and 'name = "attention_combine"' in text
@@ -158,6 +162,9 @@ def test_lowers_to_mosaic_gpu_for_cuda(bs):
 def test_lowers_at_qwen35s_longest_context():
     """A 262k-key span: 8192-key chunks, 512 page ids a program, loaded in TMA boxes of at most 256."""
     assert "mosaic_gpu" in am.lowered_for_gpu((1, 8, 24, 256), (256, 16, 4, 256), 262144 // 16)
+    interleaved = am.BlockSizes(interleave=True)  # 33 programs a KV head of 4096 chunks: 500 page ids each, padded
+    assert am.plan(262144 // 16, 16, 4, interleaved).ids == 512
+    assert "mosaic_gpu" in am.lowered_for_gpu((1, 8, 24, 256), (256, 16, 4, 256), 262144 // 16, interleaved)
 
 
 def test_supports_names_what_the_dispatch_may_send():
@@ -179,8 +186,6 @@ def test_bad_inputs_raise_naming_the_value():
         am.paged_attention(q, kp, vp, pt, pos, block_sizes=am.BlockSizes(chunk_k=96), interpret=True)
     with pytest.raises(ValueError, match="probe 'dots'"):
         am.paged_attention(q, kp, vp, pt, pos, block_sizes=am.BlockSizes(probe="dots"), interpret=True)
-    with pytest.raises(ValueError, match="persistent"):
-        am.paged_attention(q, kp, vp, pt, pos, block_sizes=am.BlockSizes(persistent=True), interpret=True)
     q, kp, vp, pt, pos = _case(rng, 1, 1, 4, 2, 256, 4, 16, jnp.bfloat16)
     with pytest.raises(ValueError, match="shared memory"):
         am.paged_attention(q, kp, vp, pt, pos, block_sizes=am.BlockSizes(stages=3), interpret=True)
@@ -218,11 +223,12 @@ def test_gpu_nan_past_the_last_position_never_reaches_a_row():
 
 
 @pytest.mark.gpu
-def test_gpu_rows_bit_identical_to_each_row_alone():
+@pytest.mark.parametrize("bs", [am.DEFAULT, am.BlockSizes(interleave=True)], ids=["default", "interleaved"])
+def test_gpu_rows_bit_identical_to_each_row_alone(bs):
     rng = np.random.default_rng(5)
     t = 16
     q, kp, vp, pt, pos = _case(rng, 2, t, 24, 4, 256, 300, 16, jnp.bfloat16, [np.arange(t) + 3000, np.arange(t) + 77])
-    f = lambda q, pos: np.asarray(am.paged_attention(q, kp, vp, pt, pos)).view(np.uint16)
+    f = lambda q, pos: np.asarray(am.paged_attention(q, kp, vp, pt, pos, block_sizes=bs)).view(np.uint16)
     full = f(q, pos)
     for i in range(t):
         np.testing.assert_array_equal(f(q[:, i : i + 1], pos[:, i : i + 1])[:, 0], full[:, i], err_msg=f"row {i}")
@@ -230,22 +236,22 @@ def test_gpu_rows_bit_identical_to_each_row_alone():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t,bs", [(8, am.DEFAULT), (1, am.DEFAULT), (7, am.DEFAULT),
-                                  (8, am.BlockSizes(chunk_programs=8)), (8, am.BlockSizes(chunk_k=128, persistent=True,
-                                                                                         chunk_programs=8))],
-                         ids=["48-rows", "6-rows", "42-rows", "5-tiles-a-chunk", "persistent"])
+                                  (8, am.BlockSizes(chunk_programs=8)), (8, am.BlockSizes(interleave=True)),
+                                  (1, am.BlockSizes(chunk_k=128, chunk_programs=8, interleave=True))],
+                         ids=["48-rows", "6-rows", "42-rows", "5-tiles-a-chunk", "interleaved", "interleaved-2"])
 def test_gpu_partials_per_chunk_and_row_match_numpy(t, bs):
     assert jax.default_backend() == "gpu"
     _check_partials(_case(np.random.default_rng(t), 2, t, 24, 4, 256, 40, 16, jnp.bfloat16), bs, False)
 
 
 @pytest.mark.gpu
-def test_gpu_persistent_programs_take_each_chunks_bits():
+def test_gpu_interleaved_chunks_give_the_same_bits_in_a_wider_page_table():
     rng = np.random.default_rng(13)
     q, kp, vp, pt, _ = _case(rng, 2, 8, 24, 4, 256, 300, 16, jnp.bfloat16)
-    table = jnp.concatenate([pt, jnp.full((2, 724), kp.shape[0], jnp.int32)], axis=1)  # a 16k span, 4800 keys
+    wide = jnp.concatenate([pt, jnp.full((2, 724), kp.shape[0], jnp.int32)], axis=1)  # a 16k span, 4800 keys
     positions = jnp.asarray([np.arange(8) + 4700, np.arange(8) + 900], jnp.int32)
-    one_each = am.paged_attention(q, kp, vp, table, positions, block_sizes=am.BlockSizes(chunk_k=256))
-    bs = am.BlockSizes(chunk_k=256, persistent=True)
-    walked = am.paged_attention(q, kp, vp, table, positions, block_sizes=bs)
-    np.testing.assert_array_equal(np.asarray(walked).view(np.uint16), np.asarray(one_each).view(np.uint16))
-    assert rel_err(walked, am.reference(q, kp, vp, table, positions)) < 1e-2
+    bs = am.BlockSizes(interleave=True)
+    own = am.paged_attention(q, kp, vp, pt, positions, block_sizes=bs)
+    walked = am.paged_attention(q, kp, vp, wide, positions, block_sizes=bs)
+    np.testing.assert_array_equal(np.asarray(walked).view(np.uint16), np.asarray(own).view(np.uint16))
+    assert rel_err(walked, am.reference(q, kp, vp, wide, positions)) < 1e-2

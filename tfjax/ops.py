@@ -91,6 +91,13 @@ def mgpu_attention() -> bool:
     return os.environ.get("TFJAX_ATTENTION_MGPU", "1") == "1"
 
 
+def attention_interleave() -> bool:
+    """The Mosaic GPU attention's key chunks dealt round-robin to a fixed set of programs (default), so a short
+    context in a wide page table runs on every SM, instead of chunks sized by the span (`TFJAX_ATTENTION_INTERLEAVE=0`).
+    """
+    return os.environ.get("TFJAX_ATTENTION_INTERLEAVE", "1") == "1"
+
+
 def set_kernels(mode: str) -> None:
     """Force `kernel`, `reference` or `auto` dispatch (takes effect for new traces)."""
     global _FORCE

@@ -311,7 +311,8 @@ def paged_attention(q: jax.Array, pages: KVPages, page_table: jax.Array, positio
             k, v = gather_pages(pages, page_table)
             return fa.flash_attention(q, k, v, positions)
         if mosaic_attention_serves(e, pages.k.shape[1], q.dtype, pages.k.dtype):
-            return mgpu_attn.paged_attention(q, pages.k, pages.v, page_table, positions)
+            bs = mgpu_attn.BlockSizes(interleave=ops.attention_interleave())
+            return mgpu_attn.paged_attention(q, pages.k, pages.v, page_table, positions, block_sizes=bs)
         if pk.supports(e):
             return pk.paged_attention(q, pages.k, pages.v, page_table, positions)
     k, v = gather_pages(pages, page_table)

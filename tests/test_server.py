@@ -205,14 +205,17 @@ def test_each_bad_input_gets_its_status_and_code_and_the_server_keeps_serving(se
     got, reply, _ = post(url, "/v1/completions", {"prompt": ["a", "b"]})
     assert (got, reply["error"]["code"]) == (400, "unsupported_parameter")
 
-    # A full queue: with the engine paused, QUEUE requests wait and the next one is turned away.
+    # A full queue: with the engine paused, a request for each free lane and QUEUE more wait, the next is turned away
+    # (a burst the size of the idle lanes is never refused).
     server.worker.pause()
-    with ThreadPoolExecutor(QUEUE) as pool:
+    n = QUEUE + server.engine.lanes.capacity - len(server.engine.scheduler.running)
+    assert n > QUEUE
+    with ThreadPoolExecutor(n) as pool:
         try:
             waiting = [pool.submit(post, url, "/v1/completions", {"prompt": f"q{i}", "max_tokens": 3})
-                       for i in range(QUEUE)]
+                       for i in range(n)]
             deadline = time.time() + 30
-            while server.worker.queued() < QUEUE:
+            while server.worker.queued() < n:
                 assert time.time() < deadline
                 time.sleep(0.01)
             got, reply, headers = post(url, "/v1/completions", {"prompt": "one too many", "max_tokens": 3})

@@ -59,6 +59,11 @@ class Worker:
         """Requests without a lane yet (in the inbox or the scheduler's queue)."""
         return len(self.inbox) + len(self.engine.scheduler.waiting)
 
+    def backlog(self) -> int:
+        """Requests that the next round cannot give a lane: those without one beyond the free lanes."""
+        free = self.engine.lanes.capacity - len(self.engine.scheduler.running)
+        return max(0, self.queued() - free)
+
     def submit(self, request: Request) -> None:
         with self.cv:
             self.inbox.append(request)
@@ -270,7 +275,7 @@ class Server:
             req = self._request(params, stream)
             if not self.worker.alive:
                 raise ApiError(503, "the engine thread is not running", "engine_unavailable", type="server_error")
-            if self.worker.queued() >= self.queue_limit:
+            if self.worker.backlog() >= self.queue_limit:
                 raise ApiError(429, f"the queue is full ({self.queue_limit} requests wait for a lane); retry later",
                                "queue_full", type="rate_limit_error", headers={"Retry-After": str(self.retry_after)})
         except ApiError as e:

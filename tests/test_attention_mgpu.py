@@ -102,7 +102,7 @@ INTERLEAVED = am.BlockSizes(chunk_programs=4, interleave=True)  # 2 KV heads: 2 
 
 @pytest.mark.parametrize("t,bs", [(8, am.DEFAULT), (1, am.DEFAULT), (8, am.BlockSizes(chunk_programs=8)),
                                   (3, INTERLEAVED), (2, am.BlockSizes(chunk_k=128, chunk_programs=6, interleave=True))],
-                         ids=["8-rows", "1-row", "5-tiles-a-chunk", "interleaved", "interleaved-3-programs"])
+                         ids=["8-rows", "1-row", "5-tiles-a-chunk", "interleaved", "interleaved-128-key-chunks"])
 def test_interpret_partials_per_chunk_and_row_match_numpy(t, bs):
     _check_partials(_case(np.random.default_rng(t), 1, t, 12, 2, 64, 20, 16, jnp.bfloat16), bs, True)
 
@@ -162,8 +162,8 @@ def test_lowers_to_mosaic_gpu_for_cuda(bs):
 def test_lowers_at_qwen35s_longest_context():
     """A 262k-key span: 8192-key chunks, 512 page ids a program, loaded in TMA boxes of at most 256."""
     assert "mosaic_gpu" in am.lowered_for_gpu((1, 8, 24, 256), (256, 16, 4, 256), 262144 // 16)
-    interleaved = am.BlockSizes(interleave=True)  # 33 programs a KV head of 4096 chunks: 500 page ids each, padded
-    assert am.plan(262144 // 16, 16, 4, interleaved).ids == 512
+    interleaved = am.BlockSizes(interleave=True)  # 32 programs a KV head (132 // 4 rounded down) of 4096 chunks
+    assert (am.plan(262144 // 16, 16, 4, interleaved).programs, am.plan(262144 // 16, 16, 4, interleaved).ids) == (32, 512)
     assert "mosaic_gpu" in am.lowered_for_gpu((1, 8, 24, 256), (256, 16, 4, 256), 262144 // 16, interleaved)
 
 

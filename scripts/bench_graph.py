@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -362,7 +363,7 @@ def attention_section(sweep: bool | str):
         attention_candidates(ATTN_CANDS, h, g, e, bw)
         return
     from pallas_kernels import attention_mgpu as am
-    from tfjax.models.layers import mosaic_attention_serves
+    from tfjax.models.layers import mosaic_attention_blocks, mosaic_attention_serves
 
     # the table times what the engine serves: the Mosaic kernel where the dispatch takes it, unless a sweep chose
     mosaic = not sweep and mosaic_attention_serves(e, 16, jnp.bfloat16, jnp.bfloat16)
@@ -373,8 +374,8 @@ def attention_section(sweep: bool | str):
         sets = kv_sets(ctx, max(2, min(16, math.ceil(512e6 / kvb))))
         for t in (1, 8):
             q, pos = verify_rows(ctx, t, h, e, seed=t)
-            f = am.paged_attention if mosaic else (
-                lambda q, kp, vp, pt, pos: pa.paged_attention(q, kp, vp, pt, pos, block_sizes=best))
+            f = (functools.partial(am.paged_attention, block_sizes=mosaic_attention_blocks()) if mosaic else
+                 functools.partial(pa.paged_attention, block_sizes=best))
             err = rel_err(f(q, *sets[0], pos), pa.reference(q, *sets[0], pos))
             args = [(q, *s, pos) for s in sets]
             tt = per_call(f, args)
@@ -609,8 +610,6 @@ def flash_section():
 
 # --- dense27 decode ---
 def decode_section(steps=20, context=2048, layers=0, modes=("reference", "kernel"), rows=1, span=0):
-    import functools
-
     import jax
     import jax.numpy as jnp
     from flax import nnx

@@ -293,6 +293,13 @@ def mosaic_attention_serves(head_dim: int, page: int, q_dtype, kv_dtype) -> bool
     return ops.mgpu_attention() and q_dtype == kv_dtype and attention_mgpu.supports(head_dim, page, q_dtype)
 
 
+def mosaic_attention_blocks():
+    """The Mosaic GPU attention's BlockSizes the dispatch serves (chunks interleaved unless switched off)."""
+    from pallas_kernels import attention_mgpu
+
+    return attention_mgpu.BlockSizes(interleave=ops.attention_interleave())
+
+
 def paged_attention(q: jax.Array, pages: KVPages, page_table: jax.Array, positions: jax.Array,
                     rows: bool = False) -> jax.Array:
     """Attention of q rows over a lane's pages (kernels on GPU, reference elsewhere).
@@ -311,8 +318,8 @@ def paged_attention(q: jax.Array, pages: KVPages, page_table: jax.Array, positio
             k, v = gather_pages(pages, page_table)
             return fa.flash_attention(q, k, v, positions)
         if mosaic_attention_serves(e, pages.k.shape[1], q.dtype, pages.k.dtype):
-            bs = mgpu_attn.BlockSizes(interleave=ops.attention_interleave())
-            return mgpu_attn.paged_attention(q, pages.k, pages.v, page_table, positions, block_sizes=bs)
+            return mgpu_attn.paged_attention(q, pages.k, pages.v, page_table, positions,
+                                             block_sizes=mosaic_attention_blocks())
         if pk.supports(e):
             return pk.paged_attention(q, pages.k, pages.v, page_table, positions)
     k, v = gather_pages(pages, page_table)

@@ -1,11 +1,11 @@
 """Pallas GPU (Triton) combine of the paged attention's chunk partials: one launch where XLA ran three fusions.
 
-Shapes: ``o [B, G, Cp, R', E]`` f32 (unnormalised), ``m``, ``l [B, G, Cp, R'']`` f32 (R'' >= R' >= T x heads; row
-= t * heads + query head of a KV head), the rows' positions ``pos [B, R'']`` i32 (-1: padding). A row sees chunk
-(partial) c, whose first key is c * chunk_k, when c < ``chunks`` and c * chunk_k <= its position; every other
-(the padding of the chunk axis to a power of two for Triton's blocks, never written) is never read, NaN included.
-An interleaved attention's partial c holds its program's chunks c, c + P, ...: the same rule holds. Output ``[B, T, G * heads, E]`` (the attention's own
-layout, no transpose after) in the given dtype; rows with no keys are exact zeros.
+Shapes: ``o [B, G, Cp, R', E]`` f32 (unnormalised), ``m``, ``l [B, G, Cp, R'']`` f32 (R'' >= R' >= T x heads; row =
+t * heads + query head of a KV head), the rows' positions ``pos [B, R'']`` i32 (-1: padding). A row sees chunk
+(partial) c, whose first key is c * chunk_k, when c < ``chunks`` and c * chunk_k <= its position; every other (the
+padding of the chunk axis to a power of two for Triton's blocks, never written) is never read, NaN included. An
+interleaved attention's partial c holds its program's chunks c, c + P, ...: the same rule holds. Output ``[B, T, G *
+heads, E]`` (the attention's own layout, no transpose after) in the given dtype; rows with no keys are exact zeros.
 
 A program takes one row t's query heads of one (lane, KV head), ``block_e`` columns, over every chunk: the max
 (exact in any order), the weights, then the weighted sums over the chunk axis, ``block_c`` chunks a register

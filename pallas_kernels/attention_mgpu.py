@@ -18,19 +18,19 @@ lane's last position has its V rows past it zeroed in shared memory first, so wh
 hold (NaN included) never reaches a row through 0 * NaN.
 
 Interleaved chunks (`BlockSizes.interleave`): chunks of a fixed `chunk_k` keys (a tile by default) dealt out
-round-robin, program c of P (a KV head's share of `chunk_programs`, a power of two) taking chunks c, c + P, ... up to the lane's last
-position into one softmax state, one pipeline, one partial. Chunk boundaries no longer follow the span, so a
-short context in a wide page table (an engine's `LaneConfig.context` sets every lane's span) still runs on every
-SM; the span policy gave 2k keys in a 64k span one program a KV head (66 us against 15 at its own span, H100,
-thirteenth run). Each program's page ids are laid out contiguously first (`program_pages`), so it holds only its
-own: 512 at a 262k span.
+round-robin, program c of P (a KV head's share of `chunk_programs`, a power of two) taking chunks c, c + P, ... up
+to the lane's last position into one softmax state, one pipeline, one partial. Chunk boundaries no longer follow the
+span, so a short context in a wide page table (an engine's `LaneConfig.context` sets every lane's span) still runs
+on every SM; the span policy gave 2k keys in a 64k span one program a KV head (66 us against 15 at its own span,
+H100, thirteenth run). Each program's page ids are laid out contiguously first (`program_pages`), so it holds only
+its own: 512 at a 262k span.
 
 Row invariance: chunk and tile boundaries are fixed by absolute key position (and which program takes a chunk by
-static P), a row's scores and softmax state use only its own q and the keys (an MMA row is its own), and a tile
-past a row's position is an exact no-op on its state: its scores are -inf, so p = 0, alpha = exp(m - m) = 1, acc
-* 1 + 0 and l * 1 + 0 keep their bits. Partials whose first key is past a row are never read by the combine: `attention_combine` (one Triton launch writing [B, T, H,
-E]; 2.7-6 us a call faster than XLA's three fusions on the H100, twelfth run), or with `combine="xla"` the Triton
-kernel's `attention.combine`.
+static P), a row's scores and softmax state use only its own q and the keys (an MMA row is its own), and a tile past
+a row's position is an exact no-op on its state: its scores are -inf, so p = 0, alpha = exp(m - m) = 1, acc * 1 + 0
+and l * 1 + 0 keep their bits. Partials whose first key is past a row are never read by the combine:
+`attention_combine` (one Triton launch writing [B, T, H, E]; 2.7-6 us a call faster than XLA's three fusions on the
+H100, twelfth run), or with `combine="xla"` the Triton kernel's `attention.combine`.
 
 GPU interpret mode (CPU tests) runs the same pipeline, barriers and TMA copies; its two products are plain dots
 (the interpreter has no register-operand MMA), so the CPU checks the schedule and the masking, the GPU tests the

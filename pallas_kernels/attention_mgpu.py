@@ -63,7 +63,8 @@ class BlockSizes:
     block_k: int = 64  # keys a tile: a multiple of the page size and of 64 (the V tail's mask is a 64-row layout)
     stages: int = 2  # key tiles in flight (K and V of 64 keys at head dim 256: 64 KB a stage)
     # chunk policy as the Triton kernel's: the fewest keys a chunk keeping chunks x KV heads <= this many programs
-    # (one program an SM at head dim 256: 132 beat 264 by 6-16% at 16k-64k on the H100, eleventh run)
+    # (one program an SM at head dim 256: 132 beat 264 by 6-16% at 16k-64k on the H100, eleventh run); interleaved,
+    # the programs over the KV heads (264 and 66 lost to 132 too, thirteenth run)
     chunk_programs: int = 132
     chunk_k: int = 0  # keys a chunk fixed whatever the span (a multiple of block_k) instead of the policy; 0: policy
     # the partials' combine: "kernel" (attention_combine, one launch) or "xla" (attention.combine, three fusions;
@@ -71,7 +72,7 @@ class BlockSizes:
     combine: str = "kernel"
     # fixed chunks (chunk_k keys, block_k when 0) dealt round-robin to programs (a KV head's share of chunk_programs
     # rounded down to a power of two), each program's chunks one softmax state: a short context in a wide span keeps
-    # every SM busy
+    # every SM busy (on in the dispatch, `tfjax.models.layers.mosaic_attention_blocks`; off here, the span policy)
     interleave: bool = False
     probe: str = ""  # timing probe (wrong results): "loads" moves every tile by TMA, no dots or softmax
 

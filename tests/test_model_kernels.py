@@ -43,9 +43,12 @@ def _prompt_then_step(mode: str):
         ops.set_kernels("auto")
 
 
-@pytest.mark.parametrize("mgpu_attention", ["1", "0"], ids=["mosaic-attention", "triton-attention"])
-def test_whole_model_through_the_gpu_dispatch_gives_the_reference_paths_logits(monkeypatch, mgpu_attention):
+@pytest.mark.parametrize("mgpu_attention,interleave", [("1", "1"), ("1", "0"), ("0", "1")],
+                         ids=["mosaic-attention", "mosaic-attention-span-chunks", "triton-attention"])
+def test_whole_model_through_the_gpu_dispatch_gives_the_reference_paths_logits(monkeypatch, mgpu_attention,
+                                                                              interleave):
     monkeypatch.setenv("TFJAX_ATTENTION_MGPU", mgpu_attention)
+    monkeypatch.setenv("TFJAX_ATTENTION_INTERLEAVE", interleave)
     names = []
     pallas_call = pl.pallas_call
 
@@ -55,7 +58,7 @@ def test_whole_model_through_the_gpu_dispatch_gives_the_reference_paths_logits(m
 
     monkeypatch.setattr(pl, "pallas_call", interpreted)
     parts = spy_interpreted(monkeypatch, mg, "qmatmul_parts", lambda args, kw: args[1].shape)
-    mosaic_attention = spy_interpreted(monkeypatch, am, "paged_attention", lambda args, kw: args[0].shape)
+    mosaic_attention = spy_interpreted(monkeypatch, am, "paged_attention", lambda args, kw: kw["block_sizes"])
     want = _prompt_then_step("reference")
     assert names == [] and parts == [] and mosaic_attention == []
     try:
@@ -65,6 +68,7 @@ def test_whole_model_through_the_gpu_dispatch_gives_the_reference_paths_logits(m
     assert {"row_norm_rms_offset", "row_norm_gated"} <= set(names), set(names)
     assert ("paged_attention" in names) == (mgpu_attention == "0")  # the Triton kernel's pallas_call
     assert bool(mosaic_attention) == (mgpu_attention == "1")
+    assert all(bs.interleave == (interleave == "1") for bs in mosaic_attention)  # the dispatch's chunk layout
     assert any("conv" in n for n in names) and any("delta" in n for n in names), set(names)
     assert len(parts) >= 4 * CONFIG.num_hidden_layers  # every 4-bit linear, the lm_head too, on the Mosaic kernel
     assert got.shape == want.shape == (1, 6, CONFIG.vocab_size)

@@ -844,8 +844,8 @@ def main():
                     if "prompt" not in sections:  # prompt runs it too
                         flash_section()
                 else:
-                    decode_section(context=a.decode_context, span=a.decode_span, layers=a.layers, modes=tuple(a.decode_modes.split(",")),
-                                   rows=a.decode_rows)
+                    decode_section(context=a.decode_context, span=a.decode_span, layers=a.layers,
+                                   modes=tuple(a.decode_modes.split(",")), rows=a.decode_rows)
             except Exception as e:  # one failing section must not lose the others' numbers
                 import traceback
 

@@ -94,7 +94,7 @@ def mgpu_attention() -> bool:
 def attention_interleave() -> bool:
     """The Mosaic GPU attention's key chunks dealt round-robin to a fixed set of programs (default), so a short
     context in a wide page table runs on every SM, instead of chunks sized by the span (`TFJAX_ATTENTION_INTERLEAVE=0`):
-    2k keys in a 64k span 15.9 us against 65.7, dense27 decode there 8.13 ms against 9.00; 2-6% slower at a span
+    2k keys in a 64k span 15.9 us against 65.7, dense27 decode there 8.21 ms against 9.00; 0-4% slower at a span
     the context fills (H100, docs/benchmarks.md, thirteenth run)."""
     return os.environ.get("TFJAX_ATTENTION_INTERLEAVE", "1") == "1"
 

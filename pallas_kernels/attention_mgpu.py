@@ -118,7 +118,7 @@ def _kernel(q_gmem, pos_gmem, last_gmem, pt_gmem, k_gmem, v_gmem, o_gmem, m_gmem
         x = jnp.full(shape, value, jnp.float32)
         return x if interpret else plgpu.layout_cast(x, layout)
 
-    def store(acc, m, l, chunk, o_smem, ml_smem):  # the program's partials, 64 columns of o a TMA store
+    def store(acc, m, l, o_smem, ml_smem):  # the program's partials (partial c), 64 columns of o a TMA store
         ml_smem[0] = m
         ml_smem[1] = l
         for f in range(e // 64):
@@ -126,9 +126,9 @@ def _kernel(q_gmem, pos_gmem, last_gmem, pt_gmem, k_gmem, v_gmem, o_gmem, m_gmem
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the slot's previous store has read it
             o_smem[slot] = acc[:, f * 64:(f + 1) * 64]
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem.at[slot], o_gmem.at[b, j, chunk, rows, pl.ds(f * 64, 64)])
-        plgpu.copy_smem_to_gmem(ml_smem.at[0], m_gmem.at[b, j, chunk, rows])
-        plgpu.copy_smem_to_gmem(ml_smem.at[1], l_gmem.at[b, j, chunk, rows])
+            plgpu.copy_smem_to_gmem(o_smem.at[slot], o_gmem.at[b, j, c, rows, pl.ds(f * 64, 64)])
+        plgpu.copy_smem_to_gmem(ml_smem.at[0], m_gmem.at[b, j, c, rows])
+        plgpu.copy_smem_to_gmem(ml_smem.at[1], l_gmem.at[b, j, c, rows])
         plgpu.wait_smem_to_gmem(0)
 
     def loop(q_smem, pos_smem, last_smem, pt_smem, k_smem, v_smem, head_bar, k_bars, v_bars):
@@ -144,19 +144,12 @@ def _kernel(q_gmem, pos_gmem, last_gmem, pt_gmem, k_gmem, v_gmem, o_gmem, m_gmem
         def tiles_of(chunk):  # tiles of a chunk any row of the lane can see
             return jnp.clip((last - chunk * chunk_k) // bk + 1, 0, tpc)
 
-        if bs.interleave:  # chunks c, c + P, ... up to the lane's last position; all but the lane's last are whole
-            live = jnp.minimum((last + chunk_k) // chunk_k, chunks)
-            mine = (live - c + programs - 1) // programs  # >= 0: c < programs
-            before = jnp.maximum(mine, 1) - 1  # whole chunks before the last (none: tiles_of(c) is 0 then)
-            total = before * tpc + tiles_of(c + before * programs)
-        else:
-            total = tiles_of(c)
-
-        def chunk_of(u):  # the chunk of the program's u-th tile
-            return c + (u // tpc) * programs if bs.interleave else c
-
-        def within(u):  # its tile within that chunk
-            return lax.rem(u, tpc) if bs.interleave else u
+        # chunks c, c + P, ... up to the lane's last position, all but the lane's last whole (the span policy: P is
+        # the chunk count, so chunk c alone)
+        live = jnp.minimum((last + chunk_k) // chunk_k, chunks)
+        mine = (live - c + programs - 1) // programs  # >= 0: c < programs
+        before = jnp.maximum(mine, 1) - 1  # whole chunks before the last (none: tiles_of(c) is 0 then)
+        total = before * tpc + tiles_of(c + before * programs)
 
         def issue(u, pages_gmem, pages_smem, bars):  # tile u's K or V pages into its slot, one TMA copy a page
             slot = lax.rem(u, stages)
@@ -204,7 +197,7 @@ def _kernel(q_gmem, pos_gmem, last_gmem, pt_gmem, k_gmem, v_gmem, o_gmem, m_gmem
         def tile(u, carry):
             acc, m, l = carry
             slot = lax.rem(u, stages)
-            k0 = chunk_of(u) * chunk_k + within(u) * bk
+            k0 = (c + (u // tpc) * programs) * chunk_k + lax.rem(u, tpc) * bk  # tile u: its chunk, its place there
             plgpu.barrier_wait(k_bars.at[slot])
             if bs.probe == "loads":
                 plgpu.barrier_wait(v_bars.at[slot])
@@ -252,7 +245,7 @@ def _kernel(q_gmem, pos_gmem, last_gmem, pt_gmem, k_gmem, v_gmem, o_gmem, m_gmem
     ]
     out_scratch = [plgpu.SMEM((2, BLOCK_Q, 64), jnp.float32), plgpu.SMEM((2, BLOCK_Q), jnp.float32)]
     acc, m, l = pl.run_scoped(loop, *scratch)  # the partial's store after the loop, in shared memory K and V held
-    pl.run_scoped(lambda o_smem, ml_smem: store(acc, m, l, c, o_smem, ml_smem), *out_scratch)
+    pl.run_scoped(lambda o_smem, ml_smem: store(acc, m, l, o_smem, ml_smem), *out_scratch)
 
 
 HEAD_DIMS = (64, 128, 256)

@@ -32,14 +32,14 @@ def _partials_reference(q, k_pages, v_pages, page_table, positions, chunk_k, pro
     table = np.asarray(page_table)
     k = np.asarray(k_pages, np.float64)[table].reshape(b, span, g, e)
     v = np.asarray(v_pages, np.float64)[table].reshape(b, span, g, e)
-    parts = programs or -(-span // chunk_k)
-    o, m, l = np.zeros((b, g, parts, rows, e)), np.full((b, g, parts, rows), pa.NEG), np.zeros((b, g, parts, rows))
+    o, m, l = (np.zeros((b, g, programs, rows, e)), np.full((b, g, programs, rows), pa.NEG),
+               np.zeros((b, g, programs, rows)))
     keys = np.arange(span)
     for i in range(b):
         for j in range(g):
             s = qr[i, j] @ k[i, :, j].T * e**-0.5  # [rows, span]
-            for c in range(parts):
-                seen = ((keys[None] // chunk_k) % parts == c) & (keys[None] <= pos[i][:, None])  # [rows, span]
+            for c in range(programs):
+                seen = ((keys[None] // chunk_k) % programs == c) & (keys[None] <= pos[i][:, None])  # [rows, span]
                 live = seen.any(1)
                 mc = np.where(seen, s, -np.inf).max(1)
                 p = np.where(seen, np.exp(s - np.where(live, mc, 0)[:, None]), 0.0)

@@ -208,7 +208,7 @@ def test_each_bad_input_gets_its_status_and_code_and_the_server_keeps_serving(se
     # A full queue: with the engine paused, a request for each free lane and QUEUE more wait, the next is turned away
     # (a burst the size of the idle lanes is never refused).
     server.worker.pause()
-    n = QUEUE + server.engine.lanes.capacity - len(server.engine.scheduler.running)
+    n = QUEUE + server.worker.free_lanes()
     assert n > QUEUE
     with ThreadPoolExecutor(n) as pool:
         try:

@@ -59,10 +59,13 @@ class Worker:
         """Requests without a lane yet (in the inbox or the scheduler's queue)."""
         return len(self.inbox) + len(self.engine.scheduler.waiting)
 
+    def free_lanes(self) -> int:
+        """Lanes running no request."""
+        return self.engine.lanes.capacity - len(self.engine.scheduler.running)
+
     def backlog(self) -> int:
         """Requests that the next round cannot give a lane: those without one beyond the free lanes."""
-        free = self.engine.lanes.capacity - len(self.engine.scheduler.running)
-        return max(0, self.queued() - free)
+        return max(0, self.queued() - self.free_lanes())
 
     def submit(self, request: Request) -> None:
         with self.cv:

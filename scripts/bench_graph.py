@@ -1,6 +1,6 @@
 """Kernels and the decode graph on a GPU, each beside its roofline (issue 5 receipts).
 
-    PYTHONPATH=. python3 scripts/bench_graph.py [--sections base,qmatmul,attention,delta,prompt,flash,decode,hf]
+    PYTHONPATH=. python3 scripts/bench_graph.py [--sections base,qmatmul,attention,delta,delta_prompt,prompt,flash,decode,hf]
         [--sweep] [--out results.json]
     BENCH_QSHAPES=decode BENCH_MS=1,16 ... --sections base,qmatmul   # the shapes a decode step multiplies
 
@@ -470,6 +470,49 @@ def delta_section():
             moved / tk / 1e9, bw / 1e9, "GB/s")
 
 
+# --- Gated DeltaNet, prompts ---
+DELTA_PROMPT_PRECISIONS = ("tf32x3", "ieee", "tf32")
+DELTA_PROMPT_ROWS = (2048, 8192, 16384)
+
+
+def delta_prompt_section():
+    """One dense27 DeltaNet layer's prompt (48 heads of 128, one lane): the chunked Pallas kernel at each dot
+    precision against XLA's chunked scan (the default), wall time a call, error against the scan at full f32."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import gated_delta_chunked as gdc
+    from tfjax.models import gated_delta
+
+    hv, d = 48, 128
+    for t in DELTA_PROMPT_ROWS:
+        keys = jax.random.split(jax.random.key(t), 7)
+        unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+        args = (jax.random.normal(keys[0], (1, hv, d, d), jnp.float32) * 0.1,
+                unit(jax.random.normal(keys[1], (1, t, hv, d))) * d**-0.5, unit(jax.random.normal(keys[2], (1, t, hv, d))),
+                jax.random.normal(keys[3], (1, t, hv, d)), -jax.nn.softplus(jax.random.normal(keys[4], (1, t, hv))),
+                jax.nn.sigmoid(jax.random.normal(keys[5], (1, t, hv))))
+        with jax.default_matmul_precision("highest"):
+            want = jax.jit(gated_delta.chunked_reference)(*args)
+        txla = per_call(gated_delta.chunked_reference, [args], reps=5)
+        flops = t * hv * (6 * d * d + 4 * 64 * d + 24 * 64 * 64)  # state reads, writes and the chunk's triangle
+        row("delta_prompt", f"XLA chunked scan, {t} rows, 48 heads 128x128", txla, flops / txla / 1e12,
+            RESULTS["bf16_TFLOPs"], "TFLOP/s")
+        for precision in DELTA_PROMPT_PRECISIONS:
+            bs = gdc.BlockSizes(precision=precision)
+            f = lambda *a, bs=bs: gdc.chunked(*a, block_sizes=bs)
+            try:
+                err = max(rel_err(a, b) for a, b in zip(f(*args), want, strict=True))
+                tk = per_call(f, [args], reps=5)
+            except Exception as ex:  # a precision Triton refuses is a row, not the end of the run
+                print(f"  delta_prompt {t} rows {precision}: failed {type(ex).__name__}: {str(ex)[:300]}", flush=True)
+                continue
+            RESULTS.setdefault("delta_prompt", []).append(dict(t=t, precision=precision, us=tk * 1e6,
+                                                               xla_us=txla * 1e6, err=err))
+            row("delta_prompt", f"kernel {precision}, {t} rows ({txla / tk:.2f}x XLA; err {err:.0e})", tk,
+                flops / tk / 1e12, RESULTS["bf16_TFLOPs"], "TFLOP/s")
+
+
 # --- prompt path ---
 def prompt_section():
     import jax
@@ -826,7 +869,7 @@ def main():
     print(jax.devices()[0].device_kind, jax.__version__, flush=True)
     RESULTS["device"] = jax.devices()[0].device_kind
     t0 = time.perf_counter()
-    for name in ("base", "qmatmul", "attention", "delta", "prompt", "flash", "decode"):
+    for name in ("base", "qmatmul", "attention", "delta", "delta_prompt", "prompt", "flash", "decode"):
         if name in sections or (name == "base" and len(sections) > 0):
             ts = time.perf_counter()
             try:
@@ -838,6 +881,8 @@ def main():
                     attention_section(a.sweep and ("chunks" if a.asweep == "chunks" else True))
                 elif name == "delta":
                     delta_section()
+                elif name == "delta_prompt":
+                    delta_prompt_section()
                 elif name == "prompt":
                     prompt_section()
                 elif name == "flash":

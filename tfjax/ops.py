@@ -57,6 +57,12 @@ def delta_kernel() -> bool:
     return use_kernels() and os.environ.get("TFJAX_DELTA_KERNEL", "1") != "0"
 
 
+def delta_chunked_kernel() -> bool:
+    """Prompt chunks' DeltaNet through the one-launch chunked Pallas kernel on GPU (`TFJAX_DELTA_CHUNKED=1`; off
+    until the GPU shows it beats XLA's scan: `scripts/bench_graph.py --sections base,delta_prompt`)."""
+    return use_kernels() and os.environ.get("TFJAX_DELTA_CHUNKED", "0") == "1"
+
+
 def delta_fused() -> bool:
     """Lane-round DeltaNet rows through the two fused kernels on GPU (`causal_conv.conv_silu_window`, then
     `gated_delta.recurrent_qkv`: conv tail, taps, norms, head repeats and casts inside them; default);

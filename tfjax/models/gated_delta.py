@@ -107,6 +107,20 @@ def _lane_recurrent(state, q, k, v, g, beta, count):
 
 def chunked(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
             chunk: int = 64) -> tuple[jax.Array, jax.Array]:
+    """The prompt form: the Pallas chunked kernel where `ops.delta_chunked_kernel` says so, else
+    `chunked_reference`."""
+    from tfjax import ops
+
+    if ops.delta_chunked_kernel():
+        from pallas_kernels import gated_delta_chunked as gdc
+
+        if gdc.supports(k.shape[-1], v.shape[-1]):
+            return gdc.chunked(state, q, k, v, g, beta, block_sizes=gdc.BlockSizes(chunk=chunk))
+    return chunked_reference(state, q, k, v, g, beta, chunk)
+
+
+def chunked_reference(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
+                      chunk: int = 64) -> tuple[jax.Array, jax.Array]:
     """The chunked (WY / UT-transform) form for prompts; equals `recurrent` up to rounding."""
     b, t, h, dk = k.shape
     dv = v.shape[-1]

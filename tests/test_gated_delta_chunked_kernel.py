@@ -1,0 +1,127 @@
+"""The Pallas chunked DeltaNet (prompts) equals XLA's chunked form and the row-by-row recurrence.
+
+Each case runs in interpret mode on the CPU (default) and compiled on a GPU under `-m gpu`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import gated_delta as gdk
+from pallas_kernels import gated_delta_chunked as gdc
+from tests.helpers import rel_err, spy_interpreted
+
+
+def _case(rng, b, t, h, dk, dv, dtype=jnp.float32):
+    """Fresh random state and prompt rows as the model feeds them: unit keys, q scaled, g < 0, beta in (0, 1)."""
+    state = jnp.asarray(rng.standard_normal((b, h, dk, dv)) * 0.5, jnp.float32)
+    q, k = (rng.standard_normal((b, t, h, dk)) for _ in range(2))
+    q = jnp.asarray(q / np.linalg.norm(q, axis=-1, keepdims=True) * dk**-0.5, dtype)
+    k = jnp.asarray(k / np.linalg.norm(k, axis=-1, keepdims=True), dtype)
+    v = jnp.asarray(rng.standard_normal((b, t, h, dv)), dtype)
+    g = jnp.asarray(-np.abs(rng.standard_normal((b, t, h))) * 0.3, jnp.float32)
+    beta = jnp.asarray(1 / (1 + np.exp(-rng.standard_normal((b, t, h)))), jnp.float32)
+    return state, q, k, v, g, beta
+
+
+# T: one row, a chunk + 1, a chunk exactly, several chunks with a ragged last one; two value blocks at block_v 16
+@pytest.mark.parametrize("t,chunk,block_v", [(1, 16, 32), (17, 16, 32), (32, 32, 32), (45, 16, 16)])
+def test_interpret_matches_xla_chunked_and_the_recurrence(t, chunk, block_v):
+    rng = np.random.default_rng(t)
+    args = _case(rng, 2, t, 3, 16, 32)
+    state, out = gdc.chunked(*args, block_sizes=gdc.BlockSizes(chunk=chunk, block_v=block_v), interpret=True)
+    xla_state, xla_out = gdc.reference(*args, chunk=chunk)
+    rec_state, rec_out = gdk.reference(*args)
+    assert out.shape == (2, t, 3, 32) and state.shape == args[0].shape
+    assert rel_err(out, xla_out) < 1e-5 and rel_err(state, xla_state) < 1e-5
+    assert rel_err(out, rec_out) < 1e-4 and rel_err(state, rec_state) < 1e-4
+
+
+def test_interpret_64_row_chunks_of_dense27_head_dims_match_the_recurrence():
+    """The default chunk (six factors of the triangle's inverse) at Dk = Dv = 128, bf16 rows."""
+    args = _case(np.random.default_rng(7), 1, 100, 2, 128, 128, jnp.bfloat16)
+    state, out = gdc.chunked(*args, interpret=True)
+    rec_state, rec_out = gdk.reference(*args)
+    assert rel_err(out, rec_out) < 1e-4 and rel_err(state, rec_state) < 1e-4
+
+
+def test_interpret_near_equal_keys_stay_accurate():
+    """A repeated token: near-equal keys, beta near 1, no decay. The triangle's inverse stays below 1 while the
+    powers of A that a series inverse would sum reach ~1e17 (that form lost every digit here)."""
+    rng = np.random.default_rng(9)
+    state, q, _, v, _, _ = _case(rng, 1, 128, 2, 32, 32)
+    base = rng.standard_normal(32)
+    k = base + 0.01 * rng.standard_normal((1, 128, 2, 32))
+    k = jnp.asarray(k / np.linalg.norm(k, axis=-1, keepdims=True), jnp.float32)
+    g = jnp.full((1, 128, 2), -1e-3, jnp.float32)
+    beta = jnp.full((1, 128, 2), 0.99, jnp.float32)
+    state_k, out = gdc.chunked(state, q, k, v, g, beta, block_sizes=gdc.BlockSizes(block_v=32), interpret=True)
+    rec_state, rec_out = gdk.reference(state, q, k, v, g, beta)
+    assert rel_err(out, rec_out) < 1e-4 and rel_err(state_k, rec_state) < 1e-4
+
+
+def test_zero_rows_past_the_prompt_leave_the_state_alone():
+    """The model zeroes rows past a lane's prompt: the state equals the shorter prompt's, bit for bit."""
+    state, q, k, v, g, beta = _case(np.random.default_rng(3), 1, 40, 2, 16, 16)
+    bs = gdc.BlockSizes(chunk=16, block_v=16)
+    short_state, short_out = gdc.chunked(state, *(a[:, :30] for a in (q, k, v, g, beta)), block_sizes=bs,
+                                         interpret=True)
+    live = (jnp.arange(40) < 30)[None, :, None]
+    masked = [jnp.where(live[..., None], a, 0) for a in (q, k, v)] + [jnp.where(live, a, 0) for a in (g, beta)]
+    long_state, long_out = gdc.chunked(state, *masked, block_sizes=bs, interpret=True)
+    np.testing.assert_array_equal(long_state, short_state)
+    np.testing.assert_array_equal(long_out[:, :30], short_out)
+
+
+def test_bad_shapes_and_blocks_raise_naming_the_value():
+    state, q, k, v, g, beta = _case(np.random.default_rng(4), 1, 4, 2, 16, 16)
+    with pytest.raises(ValueError, match="v.shape"):
+        gdc.chunked(state, q, k, v[..., :8], g, beta, interpret=True)
+    with pytest.raises(ValueError, match="chunk=24"):
+        gdc.chunked(state, q, k, v, g, beta, block_sizes=gdc.BlockSizes(chunk=24), interpret=True)
+    with pytest.raises(ValueError, match="precision='fp8'"):
+        gdc.chunked(state, q, k, v, g, beta, block_sizes=gdc.BlockSizes(precision="fp8"), interpret=True)
+    with pytest.raises(ValueError, match="powers of 2"):
+        gdc.chunked(state[..., :12], q, k, v[..., :12], g, beta, interpret=True)
+
+
+def test_model_chunked_takes_the_kernel_only_when_switched_on(monkeypatch):
+    """`gated_delta.chunked` stays on XLA's scan with kernels on, and goes to the kernel with TFJAX_DELTA_CHUNKED=1."""
+    from tfjax import ops
+    from tfjax.models import gated_delta
+
+    calls = spy_interpreted(monkeypatch, gdc, "chunked", lambda args, kw: kw["block_sizes"].chunk)
+    monkeypatch.setattr(ops, "_FORCE", "kernel")
+    args = _case(np.random.default_rng(5), 1, 20, 2, 16, 16)
+    want_state, want = gated_delta.chunked_reference(*args, 16)
+    gated_delta.chunked(*args, chunk=16)
+    assert calls == []
+    monkeypatch.setenv("TFJAX_DELTA_CHUNKED", "1")
+    got_state, got = gated_delta.chunked(*args, chunk=16)
+    assert calls == [16] and rel_err(got, want) < 1e-5 and rel_err(got_state, want_state) < 1e-5
+
+
+def test_lowers_to_triton_for_cuda_without_a_gpu():
+    """The compiled path's Pallas -> Triton lowering at dense27's DeltaNet shape (48 heads of 128), a 2k prompt."""
+    sds = jax.ShapeDtypeStruct
+    rows = sds((1, 2048, 48, 128), jnp.float32)
+    gates = sds((1, 2048, 48), jnp.float32)
+    text = gdc.chunked.trace(sds((1, 48, 128, 128), jnp.float32), rows, rows, rows, gates, gates).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text and 'name = "gated_delta_chunked"' in text
+
+
+# Compiled on a GPU at the dense27 geometry: `pytest -m gpu tests/test_gated_delta_chunked_kernel.py`.
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["tf32x3", "ieee"])
+@pytest.mark.parametrize("t", [64, 300])
+def test_gpu_matches_the_recurrence(t, precision):
+    assert jax.default_backend() == "gpu"
+    args = _case(np.random.default_rng(t), 1, t, 48, 128, 128)
+    state, out = gdc.chunked(*args, block_sizes=gdc.BlockSizes(precision=precision))
+    with jax.default_matmul_precision("highest"):
+        rec_state, rec_out = gdk.reference(*args)
+    assert rel_err(out, rec_out) < 1e-4 and rel_err(state, rec_state) < 1e-4

@@ -27,12 +27,15 @@ def _case(rng, b, t, h, dk, dv, dtype=jnp.float32):
     return state, q, k, v, g, beta
 
 
-# T: one row, a chunk + 1, a chunk exactly, several chunks with a ragged last one; two value blocks at block_v 16
+# T: one row, a chunk + 1, a chunk exactly, several chunks with a ragged last one; two value blocks at block_v 16;
+# two launches (split) and one
+@pytest.mark.parametrize("split", [True, False], ids=["split", "one-launch"])
 @pytest.mark.parametrize("t,chunk,block_v", [(1, 16, 32), (17, 16, 32), (32, 32, 32), (45, 16, 16)])
-def test_interpret_matches_xla_chunked_and_the_recurrence(t, chunk, block_v):
+def test_interpret_matches_xla_chunked_and_the_recurrence(t, chunk, block_v, split):
     rng = np.random.default_rng(t)
     args = _case(rng, 2, t, 3, 16, 32)
-    state, out = gdc.chunked(*args, block_sizes=gdc.BlockSizes(chunk=chunk, block_v=block_v), interpret=True)
+    bs = gdc.BlockSizes(chunk=chunk, block_v=block_v, split=split)
+    state, out = gdc.chunked(*args, block_sizes=bs, interpret=True)
     xla_state, xla_out = gdc.reference(*args, chunk=chunk)
     rec_state, rec_out = gdk.reference(*args)
     assert out.shape == (2, t, 3, 32) and state.shape == args[0].shape
@@ -40,15 +43,17 @@ def test_interpret_matches_xla_chunked_and_the_recurrence(t, chunk, block_v):
     assert rel_err(out, rec_out) < 1e-4 and rel_err(state, rec_state) < 1e-4
 
 
-def test_interpret_64_row_chunks_of_dense27_head_dims_match_the_recurrence():
-    """The default chunk (six factors of the triangle's inverse) at Dk = Dv = 128, bf16 rows."""
+@pytest.mark.parametrize("split", [True, False], ids=["split", "one-launch"])
+def test_interpret_64_row_chunks_of_dense27_head_dims_match_the_recurrence(split):
+    """The default chunk (six doubling steps of the triangle's inverse) at Dk = Dv = 128, bf16 rows."""
     args = _case(np.random.default_rng(7), 1, 100, 2, 128, 128, jnp.bfloat16)
-    state, out = gdc.chunked(*args, interpret=True)
+    state, out = gdc.chunked(*args, block_sizes=gdc.BlockSizes(split=split), interpret=True)
     rec_state, rec_out = gdk.reference(*args)
     assert rel_err(out, rec_out) < 1e-4 and rel_err(state, rec_state) < 1e-4
 
 
-def test_interpret_near_equal_keys_stay_accurate():
+@pytest.mark.parametrize("split", [True, False], ids=["split", "one-launch"])
+def test_interpret_near_equal_keys_stay_accurate(split):
     """A repeated token: near-equal keys, beta near 1, no decay. The triangle's inverse stays below 1 while the
     powers of A that a series inverse would sum reach ~1e17 (that form lost every digit here)."""
     rng = np.random.default_rng(9)
@@ -58,15 +63,17 @@ def test_interpret_near_equal_keys_stay_accurate():
     k = jnp.asarray(k / np.linalg.norm(k, axis=-1, keepdims=True), jnp.float32)
     g = jnp.full((1, 128, 2), -1e-3, jnp.float32)
     beta = jnp.full((1, 128, 2), 0.99, jnp.float32)
-    state_k, out = gdc.chunked(state, q, k, v, g, beta, block_sizes=gdc.BlockSizes(block_v=32), interpret=True)
+    state_k, out = gdc.chunked(state, q, k, v, g, beta, block_sizes=gdc.BlockSizes(block_v=32, split=split),
+                                 interpret=True)
     rec_state, rec_out = gdk.reference(state, q, k, v, g, beta)
     assert rel_err(out, rec_out) < 1e-4 and rel_err(state_k, rec_state) < 1e-4
 
 
-def test_zero_rows_past_the_prompt_leave_the_state_alone():
+@pytest.mark.parametrize("split", [True, False], ids=["split", "one-launch"])
+def test_zero_rows_past_the_prompt_leave_the_state_alone(split):
     """The model zeroes rows past a lane's prompt: the state equals the shorter prompt's, bit for bit."""
     state, q, k, v, g, beta = _case(np.random.default_rng(3), 1, 40, 2, 16, 16)
-    bs = gdc.BlockSizes(chunk=16, block_v=16)
+    bs = gdc.BlockSizes(chunk=16, block_v=16, split=split)
     short_state, short_out = gdc.chunked(state, *(a[:, :30] for a in (q, k, v, g, beta)), block_sizes=bs,
                                          interpret=True)
     live = (jnp.arange(40) < 30)[None, :, None]
@@ -104,24 +111,27 @@ def test_model_chunked_takes_the_kernel_only_when_switched_on(monkeypatch):
     assert calls == [16] and rel_err(got, want) < 1e-5 and rel_err(got_state, want_state) < 1e-5
 
 
-def test_lowers_to_triton_for_cuda_without_a_gpu():
+@pytest.mark.parametrize("split,names", [(True, ["gated_delta_chunked_prepare", "gated_delta_chunked_state"]),
+                                         (False, ["gated_delta_chunked"])], ids=["split", "one-launch"])
+def test_lowers_to_triton_for_cuda_without_a_gpu(split, names):
     """The compiled path's Pallas -> Triton lowering at dense27's DeltaNet shape (48 heads of 128), a 2k prompt."""
     sds = jax.ShapeDtypeStruct
     rows = sds((1, 2048, 48, 128), jnp.float32)
     gates = sds((1, 2048, 48), jnp.float32)
-    text = gdc.chunked.trace(sds((1, 48, 128, 128), jnp.float32), rows, rows, rows, gates, gates).lower(
-        lowering_platforms=("cuda",)).as_text()
-    assert "triton" in text and 'name = "gated_delta_chunked"' in text
+    text = gdc.chunked.trace(sds((1, 48, 128, 128), jnp.float32), rows, rows, rows, gates, gates,
+                             block_sizes=gdc.BlockSizes(split=split)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text and all(f'name = "{n}"' in text for n in names)
 
 
 # Compiled on a GPU at the dense27 geometry: `pytest -m gpu tests/test_gated_delta_chunked_kernel.py`.
 @pytest.mark.gpu
+@pytest.mark.parametrize("split", [True, False], ids=["split", "one-launch"])
 @pytest.mark.parametrize("precision", ["tf32x3", "ieee"])
 @pytest.mark.parametrize("t", [64, 300])
-def test_gpu_matches_the_recurrence(t, precision):
+def test_gpu_matches_the_recurrence(t, precision, split):
     assert jax.default_backend() == "gpu"
     args = _case(np.random.default_rng(t), 1, t, 48, 128, 128)
-    state, out = gdc.chunked(*args, block_sizes=gdc.BlockSizes(precision=precision))
+    state, out = gdc.chunked(*args, block_sizes=gdc.BlockSizes(precision=precision, split=split))
     with jax.default_matmul_precision("highest"):
         rec_state, rec_out = gdk.reference(*args)
     assert rel_err(out, rec_out) < 1e-4 and rel_err(state, rec_state) < 1e-4

@@ -75,7 +75,10 @@ class _Chunk:
         """(cum [C] the inclusive cumsum of g, total = its last entry, decay [C, C] = exp(cum_i - cum_j), i >= j)."""
         cum = jnp.sum(jnp.where(self.lower, g[None, :], 0.0), axis=1)
         decay = jnp.where(self.lower, jnp.exp(jnp.where(self.lower, cum[:, None] - cum[None, :], 0.0)), 0.0)
-        return cum, jnp.sum(g), decay
+        # the last entry itself, not sum(g): another summation order would make e^(total - cum) at the last row
+        # 1 + a few ulps of |cum| (~1e-5 at cum = -200: a prompt of strong decays), an error the scan has not
+        total = jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, (self.chunk,), 0) == self.chunk - 1, cum, 0.0))
+        return cum, total, decay
 
     def wy(self, k, v, beta, cum, decay):
         """(U = T (beta v) [C, bv], W = T (beta e^cum k) [C, Dk]) with T = (I - A)^-1, A = -(beta k k^T) * decay

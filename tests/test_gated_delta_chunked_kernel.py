@@ -70,6 +70,18 @@ def test_interpret_near_equal_keys_stay_accurate(split):
 
 
 @pytest.mark.parametrize("split", [True, False], ids=["split", "one-launch"])
+def test_interpret_strong_decays_stay_accurate(split):
+    """Strong decays (g down to about -20, cum near -300 in a chunk) with the prompt ending inside the chunk: the state's
+    last factor e^(cum_C - cum_i) reads cum_C itself (summing g again in another order put its state 2.5e-5 off)."""
+    state, q, k, v, g, beta = _case(np.random.default_rng(1), 2, 61, 2, 16, 16)
+    g = g * 20
+    got_state, got = gdc.chunked(state, q, k, v, g, beta, block_sizes=gdc.BlockSizes(block_v=16, split=split),
+                                 interpret=True)
+    rec_state, rec_out = gdk.reference(state, q, k, v, g, beta)
+    assert rel_err(got, rec_out) < 1e-5 and rel_err(got_state, rec_state) < 5e-6
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split", "one-launch"])
 def test_zero_rows_past_the_prompt_leave_the_state_alone(split):
     """The model zeroes rows past a lane's prompt: the state equals the shorter prompt's, bit for bit."""
     state, q, k, v, g, beta = _case(np.random.default_rng(3), 1, 40, 2, 16, 16)
@@ -135,3 +147,29 @@ def test_gpu_matches_the_recurrence(t, precision, split):
     with jax.default_matmul_precision("highest"):
         rec_state, rec_out = gdk.reference(*args)
     assert rel_err(out, rec_out) < 1e-4 and rel_err(state, rec_state) < 1e-4
+
+
+def test_model_prompt_layer_takes_the_kernel_and_gives_the_scans_outputs(monkeypatch):
+    """A DeltaNet layer's prompt chunk (PROMPT mode, 70 rows with 61 valid in one lane) through the kernel gives
+    XLA's scan's outputs, next state and conv tail."""
+    from tfjax import geometry, models, ops
+    from tfjax.models.layers import PROMPT
+    from tfjax.models.qwen3_5 import DeltaState, GatedDeltaNet
+
+    c = geometry.tiny_dense
+    layer = next(m for _, m in models.nnx.iter_modules(models.build(c, seed=2)) if isinstance(m, GatedDeltaNet))
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.standard_normal((2, 70, c.hidden_size)), jnp.float32)
+    start = DeltaState(jnp.asarray(rng.standard_normal((2, c.linear_conv_kernel_dim - 1, c.linear_conv_dim)), jnp.float32),
+                       jnp.asarray(rng.standard_normal((2, c.linear_num_value_heads, c.linear_key_head_dim,
+                                                        c.linear_value_head_dim)) * 0.1, jnp.float32))
+    valid = jnp.asarray([70, 61], jnp.int32)
+    want, want_cache, _ = layer(x, start, valid, PROMPT)
+    calls = spy_interpreted(monkeypatch, gdc, "chunked", lambda args, kw: "kernel")
+    monkeypatch.setattr(ops, "_FORCE", "kernel")
+    monkeypatch.setenv("TFJAX_DELTA_CHUNKED", "1")
+    got, got_cache, _ = layer(x, start, valid, PROMPT)
+    assert calls == ["kernel"]
+    assert rel_err(got[1, :61], want[1, :61]) < 1e-5 and rel_err(got[0], want[0]) < 1e-5
+    assert rel_err(got_cache.state, want_cache.state) < 1e-5
+    np.testing.assert_array_equal(got_cache.conv, want_cache.conv)

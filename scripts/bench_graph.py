@@ -1,6 +1,6 @@
 """Kernels and the decode graph on a GPU, each beside its roofline (issue 5 receipts).
 
-    PYTHONPATH=. python3 scripts/bench_graph.py [--sections base,qmatmul,attention,delta,delta_prompt,prompt,flash,decode,hf]
+    PYTHONPATH=. python3 scripts/bench_graph.py [--sections base,qmatmul,attention,delta,delta_prompt,prompt,flash,prefill,decode,hf]
         [--sweep] [--out results.json]
     BENCH_QSHAPES=decode BENCH_MS=1,16 ... --sections base,qmatmul   # the shapes a decode step multiplies
 
@@ -748,6 +748,58 @@ def decode_section(steps=20, context=2048, layers=0, modes=("reference", "kernel
           f"agree); first step's logits, same inputs: {RESULTS['decode_first_logits']}", flush=True)
 
 
+def prefill_section(rows=2048, layers=0, delta_chunked=("0", "1")):
+    """One lane's prompt chunk of `rows` tokens through dense27 4-bit (random weights, kernels on), with prompt
+    DeltaNet through XLA's chunked scan (`TFJAX_DELTA_CHUNKED=0`) and through the Pallas kernel (`=1`): wall time a
+    chunk, tokens/s, the rate over the bf16 matmul rate, and the two paths' last-row logits against each other."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from tfjax import geometry, models, ops
+    from tfjax.config import QuantConfig
+    from tfjax.models.layers import PROMPT, serving_layout
+
+    config = geometry.named("dense27").replace(quantization=QuantConfig(4, 64))
+    if layers:
+        config = config.replace(num_hidden_layers=layers, layer_types=config.layer_types[:layers])
+    graphdef, params = models.random_params(config)
+    words = [x for path, x in jax.tree_util.tree_flatten_with_path(params)[0]  # the 4-bit linears' packed weights
+             if x.dtype == jnp.uint32 and "embed_tokens" not in jax.tree_util.keystr(path)]
+    flops = 2 * rows * sum(x.size for x in words) * (32 // config.quantization.bits)  # matmuls only
+    ops.set_kernels("kernel")
+    model = nnx.merge(graphdef, params)
+    serving_layout(model)
+    gd, ps = models.split(model)
+    tokens = jax.random.randint(jax.random.key(3), (1, rows), 0, config.vocab_size, jnp.int32)
+    last = {}
+    for setting in delta_chunked:
+        os.environ["TFJAX_DELTA_CHUNKED"] = setting  # read when the chunk is traced: one jit per setting
+        cache = model.init_cache(1, rows + 64)
+
+        @jax.jit
+        def prefill(ps, tokens, cache, gd=gd):
+            logits, _, _ = models.forward.__wrapped__(gd, ps, tokens, jnp.array([0]), jnp.array([rows]), cache, PROMPT)
+            return logits[:, -1]
+
+        t0 = time.perf_counter()
+        last[setting] = prefill(ps, tokens, cache).block_until_ready()
+        compile_s = time.perf_counter() - t0
+        t = median_time(prefill, (ps, tokens, cache), reps=5)
+        RESULTS.setdefault("prefill", []).append(dict(rows=rows, delta_chunked=setting, ms=t * 1e3,
+                                                      tok_s=rows / t, compile_s=compile_s))
+        what = "Pallas chunked kernel" if setting == "1" else "XLA chunked scan"
+        row("prefill", f"dense27 4-bit, {rows}-token chunk, DeltaNet on the {what} ({rows / t:.0f} tok/s; compile "
+            f"{compile_s:.0f} s)", t, flops / t / 1e12, RESULTS["bf16_TFLOPs"], "TFLOP/s")
+        del cache
+    os.environ.pop("TFJAX_DELTA_CHUNKED", None)
+    if len(last) == 2:
+        a, b = (np.asarray(v, np.float32)[0] for v in last.values())
+        RESULTS["prefill_logits"] = dict(rel_err=float(np.abs(a - b).max() / np.abs(b).max()),
+                                         same_argmax=bool(a.argmax() == b.argmax()))
+        print(f"  prefill: last-row logits, kernel against scan: {RESULTS['prefill_logits']}", flush=True)
+
+
 def override_pairs_policy(kw: dict) -> None:
     """Dispatch the pair layout with `TiledBlockSizes.for_weight(..., **kw)` keywords over the default ones."""
     from pallas_kernels import qmatmul as qm
@@ -827,7 +879,8 @@ def main():
                     "first step)")
     ap.add_argument("--decode-span", type=int, default=0, help="decode: the cache's keys a lane (0: the context "
                     "and the steps; more: a lane of a longer-context engine)")
-    ap.add_argument("--layers", type=int, default=0, help="decode: truncate the layer count (0 = all 64)")
+    ap.add_argument("--layers", type=int, default=0, help="decode, prefill: truncate the layer count (0 = all 64)")
+    ap.add_argument("--prefill-rows", type=int, default=2048, help="prefill: the prompt chunk's tokens")
     ap.add_argument("--decode-modes", default="reference,kernel", help="decode: the paths to time")
     ap.add_argument("--pairs-policy", default="", help="decode: keywords replacing the pair layout's dispatch tiles, "
                     "e.g. \"dict(programs=264, sums_outside=False)\" (A/B runs)")
@@ -871,7 +924,7 @@ def main():
     print(jax.devices()[0].device_kind, jax.__version__, flush=True)
     RESULTS["device"] = jax.devices()[0].device_kind
     t0 = time.perf_counter()
-    for name in ("base", "qmatmul", "attention", "delta", "delta_prompt", "prompt", "flash", "decode"):
+    for name in ("base", "qmatmul", "attention", "delta", "delta_prompt", "prompt", "flash", "prefill", "decode"):
         if name in sections or (name == "base" and len(sections) > 0):
             ts = time.perf_counter()
             try:
@@ -885,6 +938,8 @@ def main():
                     delta_section()
                 elif name == "delta_prompt":
                     delta_prompt_section()
+                elif name == "prefill":
+                    prefill_section(rows=a.prefill_rows, layers=a.layers)
                 elif name == "prompt":
                     prompt_section()
                 elif name == "flash":

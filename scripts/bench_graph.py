@@ -471,7 +471,8 @@ def delta_section():
 
 
 # --- Gated DeltaNet, prompts ---
-DELTA_PROMPT_CANDS = (("tf32x3", True), ("tf32", True), ("ieee", True), ("tf32x3", False))  # (precision, split)
+DELTA_PROMPT_CANDS = (dict(), dict(num_warps=8), dict(precision="tf32"), dict(precision="ieee"),
+                      dict(split=False, block_v=128), dict(split=False, block_v=128, num_warps=8))  # BlockSizes keywords
 DELTA_PROMPT_ROWS = (2048, 8192, 16384)
 
 
@@ -499,18 +500,19 @@ def delta_prompt_section():
         flops = t * hv * (6 * d * d + 4 * 64 * d + 24 * 64 * 64)  # state reads, writes and the chunk's triangle
         row("delta_prompt", f"XLA chunked scan, {t} rows, 48 heads 128x128", txla, flops / txla / 1e12,
             RESULTS["bf16_TFLOPs"], "TFLOP/s")
-        for precision, split in DELTA_PROMPT_CANDS:
-            bs = gdc.BlockSizes(precision=precision, split=split, block_v=32 if split else 128)
+        for cand in DELTA_PROMPT_CANDS:
+            bs = gdc.BlockSizes(**cand)
             f = lambda *a, bs=bs: gdc.chunked(*a, block_sizes=bs)
-            what = f"{'two launches' if split else 'one launch'}, {precision}"
+            what = (f"{'two launches' if bs.split else 'one launch'}, {bs.precision}, block_v {bs.block_v}, "
+                    f"{bs.num_warps} warps")
             try:
                 err = max(rel_err(a, b) for a, b in zip(f(*args), want, strict=True))
                 tk = per_call(f, [args], reps=5)
             except Exception as ex:  # a config Triton refuses is a row, not the end of the run
                 print(f"  delta_prompt {t} rows {what}: failed {type(ex).__name__}: {str(ex)[:300]}", flush=True)
                 continue
-            RESULTS.setdefault("delta_prompt", []).append(dict(t=t, precision=precision, split=split, us=tk * 1e6,
-                                                               xla_us=txla * 1e6, err=err))
+            RESULTS.setdefault("delta_prompt", []).append(dict(t=t, cand=cand, us=tk * 1e6, xla_us=txla * 1e6,
+                                                               err=err))
             row("delta_prompt", f"kernel, {what}, {t} rows ({txla / tk:.2f}x XLA; err {err:.0e})", tk,
                 flops / tk / 1e12, RESULTS["bf16_TFLOPs"], "TFLOP/s")
 

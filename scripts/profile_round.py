@@ -4,6 +4,7 @@
   PYTHONPATH=. python3 scripts/profile_round.py --model /root/smollm2 --drafter DIR --tokens 64
   PYTHONPATH=. python3 scripts/profile_round.py --model smollm2 --structure   # kernels and loops, no GPU needed
   PYTHONPATH=. python3 scripts/profile_round.py --structure --geometry dense27 --layers 8
+  PYTHONPATH=. python3 scripts/profile_round.py --launches --geometry dense27 --layers 8 [--hlo-out F]  # compiled
 
 Decodes one request (one lane, `ignore_eos`) under `jax.profiler.trace`, then reads the Perfetto trace and
 prints the device kernels by time per round: how many launches a round makes, how long the device is busy
@@ -80,8 +81,8 @@ def structure(jaxpr) -> dict:
     return out
 
 
-def geometry_step_structure(name: str, layers: int) -> dict:
-    """The structure of one row-mode decode step of a named geometry (random 4-bit weights, first `layers`)."""
+def geometry_step(name: str, layers: int):
+    """One row-mode decode step of a named geometry (random 4-bit weights, its first `layers`): (step, args)."""
     import jax.numpy as jnp
 
     from tfjax import geometry, models
@@ -98,9 +99,56 @@ def geometry_step_structure(name: str, layers: int) -> dict:
     def step(ps, token, pos, cache):
         return models.forward.__wrapped__(gd, ps, token, pos, jnp.ones_like(pos), cache, ROWS)[0]
 
+    return step, (ps, jnp.zeros((1, 1), jnp.int32), jnp.array([2048]), cache)
+
+
+def geometry_step_structure(name: str, layers: int) -> dict:
+    """The structure of one row-mode decode step of a named geometry (random 4-bit weights, first `layers`)."""
     import jax
 
-    return structure(jax.make_jaxpr(step)(ps, jnp.zeros((1, 1), jnp.int32), jnp.array([2048]), cache))
+    step, args = geometry_step(name, layers)
+    return structure(jax.make_jaxpr(step)(*args))
+
+
+FREE_OPS = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "opt-barrier"}
+
+
+def compiled_launches(hlo: str) -> dict:
+    """What the entry computation of an optimized HLO module launches: every instruction but the free ones
+    (parameters, tuples, bitcasts, constants) is a kernel or a library call on the GPU. Returns the count, the
+    count by kind (opcode, with a fusion's kind or a custom call's target) and the names in order: the profiler's
+    kernel names, with "." where the profiler writes "_"."""
+    import re
+    from collections import Counter
+
+    entry = hlo[hlo.index("\nENTRY "):]
+    body = entry[entry.index("{") + 1 : entry.index("\n}")]
+    kinds, names = Counter(), []
+    for line in body.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = .*? ([a-z][\w\-]*)\(", line)
+        if not m or m.group(2) in FREE_OPS:
+            continue
+        op = m.group(2)
+        detail = re.search(r"kind=(k\w+)", line) if op == "fusion" else re.search(r'custom_call_target="([^"]+)"', line)
+        kinds[f"{op} {detail.group(1)}" if detail else op] += 1
+        names.append(m.group(1))
+    return {"launches": len(names), "kinds": dict(kinds.most_common()), "names": names}
+
+
+def print_launches(args) -> None:
+    """The decode step compiled for this host's backend (GPU kernels on a GPU): its launches by kind."""
+    import jax
+
+    step, inputs = geometry_step(args.geometry or "dense27", args.layers)
+    hlo = jax.jit(step).lower(*inputs).compile().as_text()
+    if args.hlo_out:
+        Path(args.hlo_out).write_text(hlo)
+    got = compiled_launches(hlo)
+    print(f"{args.geometry or 'dense27'}, {args.layers} layers, one decode step compiled on "
+          f"{jax.devices()[0].device_kind}: {got['launches']} launches")
+    for kind, n in got["kinds"].items():
+        print(f"  {n:5d}  {kind}")
+    print("  in order: " + " ".join(got["names"]))
 
 
 def print_structure(args) -> None:
@@ -131,9 +179,15 @@ def main():
     ap.add_argument("--structure", action="store_true", help="count the traced round's kernels and loops (any host)")
     ap.add_argument("--geometry", default=None, help="with --structure: a decode step of this geometry instead")
     ap.add_argument("--layers", type=int, default=8, help="with --geometry: the first N layers")
+    ap.add_argument("--launches", action="store_true", help="compile a --geometry decode step on this host and list "
+                    "what its optimized HLO launches (a GPU gives the GPU's fusions)")
+    ap.add_argument("--hlo-out", default=None, help="with --launches: write the optimized HLO here")
     args = ap.parse_args()
     if args.structure:
         print_structure(args)
+        return
+    if args.launches:
+        print_launches(args)
         return
     import jax
 

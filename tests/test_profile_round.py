@@ -99,3 +99,44 @@ def test_a_mosaic_gpu_kernel_counts_as_one_launch_and_its_pipeline_as_no_loop(mo
     f = lambda x: ops.qmatmul(x, words, packed, None, bits=4, group_size=64, rows=True, layout="pairs")  # noqa: E731
     got = structure(jax.make_jaxpr(f)(jnp.ones((2, 1024), jnp.bfloat16)).jaxpr)
     assert got["pallas_call"] == 1 and got["loops"] == 0, got
+
+
+HLO = """HloModule step
+
+%fused_add (p0: f32[4], p1: f32[4]) -> f32[4] {
+  ROOT %add.1 = f32[4]{0} add(f32[4]{0} %p0, f32[4]{0} %p1)
+}
+
+ENTRY %main (a: f32[4], b: f32[4]) -> (f32[4], f32[4]) {
+  %a = f32[4]{0} parameter(0)
+  %b = f32[4]{0} parameter(1)
+  %loop_add_fusion.7 = f32[4]{0} fusion(f32[4]{0} %a, f32[4]{0} %b), kind=kLoop, calls=%fused_add
+  %bitcast.2 = f32[2,2]{1,0} bitcast(f32[4]{0} %loop_add_fusion.7)
+  %custom-call.3 = f32[4]{0} custom-call(f32[4]{0} %a), custom_call_target="mosaic_gpu_v2"
+  %copy.1 = f32[4]{0} copy(f32[4]{0} %custom-call.3)
+  ROOT %tuple.9 = (f32[4]{0}, f32[4]{0}) tuple(f32[4]{0} %loop_add_fusion.7, f32[4]{0} %copy.1)
+}
+"""
+
+
+def test_compiled_launches_counts_the_entry_computations_kernels_in_order():
+    """Fusions, custom calls and copies launch; parameters, bitcasts and tuples do not; a fused computation's
+    own instructions are not the entry's."""
+    from scripts.profile_round import compiled_launches
+
+    got = compiled_launches(HLO)
+    assert got["names"] == ["loop_add_fusion.7", "custom-call.3", "copy.1"]
+    assert got["kinds"] == {"fusion kLoop": 1, "custom-call mosaic_gpu_v2": 1, "copy": 1} and got["launches"] == 3
+
+
+def test_compiled_launches_reads_a_module_xla_compiled_here():
+    import jax
+    import jax.numpy as jnp
+
+    from scripts.profile_round import compiled_launches
+
+    x = jnp.ones((8, 8))
+    hlo = jax.jit(lambda x: jnp.sort(jnp.sin(x) @ x, axis=0)).lower(x).compile().as_text()
+    got = compiled_launches(hlo)
+    assert got["launches"] == len(got["names"]) == sum(got["kinds"].values()) >= 2
+    assert not {"parameter", "tuple", "bitcast"} & set(got["kinds"])

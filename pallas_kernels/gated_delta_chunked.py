@@ -164,13 +164,14 @@ def _check(state, q, k, v, g, beta, bs: BlockSizes):
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
 def chunked(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
             block_sizes: BlockSizes | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """(new state [B, Hv, Dk, Dv] f32, out [B, T, Hv, Dv] f32): `tfjax.models.gated_delta.chunked` in one launch."""
+    """(new state [B, Hv, Dk, Dv] f32, out [B, T, Hv, Dv] f32): `tfjax.models.gated_delta.chunked` in two launches
+    (`split`) or one."""
     bs = block_sizes or BlockSizes()
     _check(state, q, k, v, g, beta, bs)
     b, hv, dk, dv = state.shape
     t = q.shape[1]
     chunk, bv = bs.chunk, min(bs.block_v, dv)
-    padded = max(chunk, 1 << (t - 1).bit_length())  # Triton's blocks are powers of two; the loop stops at t
+    padded = pl.cdiv(t, chunk) * chunk  # whole chunks (zero rows leave the state alone); loads are chunk-sized
     if padded != t:
         q, k, v = (jnp.pad(a, ((0, 0), (0, padded - t), (0, 0), (0, 0))) for a in (q, k, v))
         g, beta = (jnp.pad(a, ((0, 0), (0, padded - t), (0, 0))) for a in (g, beta))
@@ -181,13 +182,13 @@ def chunked(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.A
     precision = lax.Precision.HIGHEST if interpret else PRECISIONS[bs.precision]
     params = plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages)
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-    walk = dict(chunks=pl.cdiv(t, chunk), chunk=chunk, precision=precision)
+    walk = dict(chunks=padded // chunk, chunk=chunk, precision=precision)
     if bs.split:
         rows = lambda d: pl.BlockSpec((None, chunk, None, d), lambda n, h, i: (i, n, h, 0))
         rows_gate = pl.BlockSpec((None, chunk, None), lambda n, h, i: (i, n, h))
         u, w = pl.pallas_call(
             functools.partial(_prepare_kernel, chunk=chunk, precision=precision),
-            grid=(pl.cdiv(t, chunk), hv, b),
+            grid=(padded // chunk, hv, b),
             in_specs=[rows(dk), rows(dv), rows_gate, rows_gate],
             out_specs=[rows(dv), rows(dk)],
             out_shape=[f32(b, padded, hv, dv), f32(b, padded, hv, dk)],

@@ -126,10 +126,11 @@ def test_model_chunked_takes_the_kernel_only_when_switched_on(monkeypatch):
 @pytest.mark.parametrize("split,names", [(True, ["gated_delta_chunked_prepare", "gated_delta_chunked_state"]),
                                          (False, ["gated_delta_chunked"])], ids=["split", "one-launch"])
 def test_lowers_to_triton_for_cuda_without_a_gpu(split, names):
-    """The compiled path's Pallas -> Triton lowering at dense27's DeltaNet shape (48 heads of 128), a 2k prompt."""
+    """The compiled path's Pallas -> Triton lowering at dense27's DeltaNet shape (48 heads of 128), a prompt of
+    2100 rows (33 chunks, not a power of two)."""
     sds = jax.ShapeDtypeStruct
-    rows = sds((1, 2048, 48, 128), jnp.float32)
-    gates = sds((1, 2048, 48), jnp.float32)
+    rows = sds((1, 2100, 48, 128), jnp.float32)
+    gates = sds((1, 2100, 48), jnp.float32)
     text = gdc.chunked.trace(sds((1, 48, 128, 128), jnp.float32), rows, rows, rows, gates, gates,
                              block_sizes=gdc.BlockSizes(split=split)).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text and all(f'name = "{n}"' in text for n in names)

@@ -145,7 +145,8 @@ def qkv_reference(state, qkv, g, beta, count=None, *, key_heads: int, eps: float
     return new_state, out.astype(out_dtype)
 
 
-def _check(state, q, k, v, g, beta, count):
+def check_rows(state, q, k, v, g, beta, count=None):
+    """Raise naming the value whose shape does not fit state [B, Hv, Dk, Dv] (also the chunked kernel's check)."""
     if state.ndim != 4 or q.ndim != 4:
         raise ValueError(f"want state [B, Hv, Dk, Dv] and q [B, T, Hv, Dk], got {state.shape=} {q.shape=}")
     b, hv, dk, dv = state.shape
@@ -170,7 +171,7 @@ def recurrent(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax
               count: jax.Array | None = None, *, block_sizes: BlockSizes | None = None,
               interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """(new state [B, Hv, Dk, Dv] f32, out [B, T, Hv, Dv] f32); with `count`, each lane's first count rows."""
-    _check(state, q, k, v, g, beta, count)
+    check_rows(state, q, k, v, g, beta, count)
     bs = block_sizes or BlockSizes()
     _check_blocks(bs)
     b, hv, dk, dv = state.shape

@@ -27,6 +27,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import gated_delta as recurrence
+
+supports = recurrence.supports  # the recurrence kernel's head dims: powers of two, 16..256
+
 PRECISIONS = {  # the dots' input precision on the GPU (interpret mode computes in f32 on the CPU)
     "ieee": lax.DotAlgorithmPreset.F32_F32_F32,
     "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
@@ -44,11 +48,6 @@ class BlockSizes:
     num_stages: int = 1
     precision: str = "tf32x3"  # XLA's f32 dots on the GPU take tf32 inputs; x3 keeps f32's accuracy
     split: bool = True  # every chunk's triangle, U and W at once first, then the walk (two launches)
-
-
-def supports(dk: int, dv: int) -> bool:
-    """Triton blocks are powers of two: head dims 16..256."""
-    return all(16 <= d <= 256 and d & (d - 1) == 0 for d in (dk, dv))
 
 
 def _dots(precision):
@@ -145,16 +144,7 @@ def _state_kernel(s_ref, q_ref, k_ref, g_ref, u_ref, w_ref, s_out, o_ref, *, chu
 
 
 def _check(state, q, k, v, g, beta, bs: BlockSizes):
-    if state.ndim != 4 or q.ndim != 4:
-        raise ValueError(f"want state [B, Hv, Dk, Dv] and q [B, T, Hv, Dk], got {state.shape=} {q.shape=}")
-    b, hv, dk, dv = state.shape
-    t = q.shape[1]
-    want = {"q": (b, t, hv, dk), "k": (b, t, hv, dk), "v": (b, t, hv, dv), "g": (b, t, hv), "beta": (b, t, hv)}
-    for name, arr in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        if tuple(arr.shape) != want[name]:
-            raise ValueError(f"{name}.shape={tuple(arr.shape)} must be {want[name]} (state {state.shape})")
-    if not supports(dk, dv):
-        raise ValueError(f"head dims {dk=} {dv=} must be powers of 2 in 16..256")
+    recurrence.check_rows(state, q, k, v, g, beta)  # the recurrence kernel's shapes and head dims
     if bs.chunk < 16 or bs.chunk & (bs.chunk - 1) or bs.block_v < 16 or bs.block_v & (bs.block_v - 1):
         raise ValueError(f"chunk={bs.chunk} and block_v={bs.block_v} must be powers of 2 >= 16")
     if bs.precision not in PRECISIONS:

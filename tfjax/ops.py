@@ -58,8 +58,8 @@ def delta_kernel() -> bool:
 
 
 def delta_chunked_kernel() -> bool:
-    """Prompt chunks' DeltaNet through the one-launch chunked Pallas kernel on GPU (`TFJAX_DELTA_CHUNKED=1`; off
-    until the GPU shows it beats XLA's scan: `scripts/bench_graph.py --sections base,delta_prompt`)."""
+    """Prompt chunks' DeltaNet through the chunked Pallas kernel on GPU, two launches a layer (`TFJAX_DELTA_CHUNKED=1`;
+    off until a GPU shows it beats XLA's scan: `scripts/bench_graph.py --sections base,delta_prompt,prefill`)."""
     return use_kernels() and os.environ.get("TFJAX_DELTA_CHUNKED", "0") == "1"
 
 

@@ -27,6 +27,13 @@ def _case(rng, b, t, h, dk, dv, dtype=jnp.float32):
     return state, q, k, v, g, beta
 
 
+def _recurrence_errors(args, bs, interpret=True):
+    """(out, state) relative errors of the kernel against the row-by-row recurrence on the same inputs."""
+    state, out = gdc.chunked(*args, block_sizes=bs, interpret=interpret)
+    rec_state, rec_out = gdk.reference(*args)
+    return rel_err(out, rec_out), rel_err(state, rec_state)
+
+
 # T: one row, a chunk + 1, a chunk exactly, several chunks with a ragged last one; two value blocks at block_v 16;
 # two launches (split) and one
 @pytest.mark.parametrize("split", [True, False], ids=["split", "one-launch"])
@@ -47,9 +54,8 @@ def test_interpret_matches_xla_chunked_and_the_recurrence(t, chunk, block_v, spl
 def test_interpret_64_row_chunks_of_dense27_head_dims_match_the_recurrence(split):
     """The default chunk (six doubling steps of the triangle's inverse) at Dk = Dv = 128, bf16 rows."""
     args = _case(np.random.default_rng(7), 1, 100, 2, 128, 128, jnp.bfloat16)
-    state, out = gdc.chunked(*args, block_sizes=gdc.BlockSizes(split=split), interpret=True)
-    rec_state, rec_out = gdk.reference(*args)
-    assert rel_err(out, rec_out) < 1e-4 and rel_err(state, rec_state) < 1e-4
+    out_err, state_err = _recurrence_errors(args, gdc.BlockSizes(split=split))
+    assert out_err < 1e-4 and state_err < 1e-4
 
 
 @pytest.mark.parametrize("split", [True, False], ids=["split", "one-launch"])
@@ -63,10 +69,8 @@ def test_interpret_near_equal_keys_stay_accurate(split):
     k = jnp.asarray(k / np.linalg.norm(k, axis=-1, keepdims=True), jnp.float32)
     g = jnp.full((1, 128, 2), -1e-3, jnp.float32)
     beta = jnp.full((1, 128, 2), 0.99, jnp.float32)
-    state_k, out = gdc.chunked(state, q, k, v, g, beta, block_sizes=gdc.BlockSizes(block_v=32, split=split),
-                                 interpret=True)
-    rec_state, rec_out = gdk.reference(state, q, k, v, g, beta)
-    assert rel_err(out, rec_out) < 1e-4 and rel_err(state_k, rec_state) < 1e-4
+    out_err, state_err = _recurrence_errors((state, q, k, v, g, beta), gdc.BlockSizes(block_v=32, split=split))
+    assert out_err < 1e-4 and state_err < 1e-4
 
 
 @pytest.mark.parametrize("split", [True, False], ids=["split", "one-launch"])
@@ -74,11 +78,8 @@ def test_interpret_strong_decays_stay_accurate(split):
     """Strong decays (g down to about -20, cum near -300 in a chunk) with the prompt ending inside the chunk: the state's
     last factor e^(cum_C - cum_i) reads cum_C itself (summing g again in another order put its state 2.5e-5 off)."""
     state, q, k, v, g, beta = _case(np.random.default_rng(1), 2, 61, 2, 16, 16)
-    g = g * 20
-    got_state, got = gdc.chunked(state, q, k, v, g, beta, block_sizes=gdc.BlockSizes(block_v=16, split=split),
-                                 interpret=True)
-    rec_state, rec_out = gdk.reference(state, q, k, v, g, beta)
-    assert rel_err(got, rec_out) < 1e-5 and rel_err(got_state, rec_state) < 5e-6
+    out_err, state_err = _recurrence_errors((state, q, k, v, g * 20, beta), gdc.BlockSizes(block_v=16, split=split))
+    assert out_err < 1e-5 and state_err < 5e-6
 
 
 @pytest.mark.parametrize("split", [True, False], ids=["split", "one-launch"])
@@ -144,10 +145,8 @@ def test_lowers_to_triton_for_cuda_without_a_gpu(split, names):
 def test_gpu_matches_the_recurrence(t, precision, split):
     assert jax.default_backend() == "gpu"
     args = _case(np.random.default_rng(t), 1, t, 48, 128, 128)
-    state, out = gdc.chunked(*args, block_sizes=gdc.BlockSizes(precision=precision, split=split))
-    with jax.default_matmul_precision("highest"):
-        rec_state, rec_out = gdk.reference(*args)
-    assert rel_err(out, rec_out) < 1e-4 and rel_err(state, rec_state) < 1e-4
+    out_err, state_err = _recurrence_errors(args, gdc.BlockSizes(precision=precision, split=split), interpret=False)
+    assert out_err < 1e-4 and state_err < 1e-4
 
 
 def test_model_prompt_layer_takes_the_kernel_and_gives_the_scans_outputs(monkeypatch):

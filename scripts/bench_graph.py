@@ -774,7 +774,7 @@ def prefill_section(rows=2048, layers=0, delta_chunked=("0", "1")):
     serving_layout(model)
     gd, ps = models.split(model)
     tokens = jax.random.randint(jax.random.key(3), (1, rows), 0, config.vocab_size, jnp.int32)
-    last = {}
+    last, before = {}, os.environ.get("TFJAX_DELTA_CHUNKED")
     for setting in delta_chunked:
         os.environ["TFJAX_DELTA_CHUNKED"] = setting  # read when the chunk is traced: one jit per setting
         cache = model.init_cache(1, rows + 64)
@@ -794,7 +794,10 @@ def prefill_section(rows=2048, layers=0, delta_chunked=("0", "1")):
         row("prefill", f"dense27 4-bit, {rows}-token chunk, DeltaNet on the {what} ({rows / t:.0f} tok/s; compile "
             f"{compile_s:.0f} s)", t, flops / t / 1e12, RESULTS["bf16_TFLOPs"], "TFLOP/s")
         del cache
-    os.environ.pop("TFJAX_DELTA_CHUNKED", None)
+    if before is None:  # the caller's own setting back
+        os.environ.pop("TFJAX_DELTA_CHUNKED", None)
+    else:
+        os.environ["TFJAX_DELTA_CHUNKED"] = before
     if len(last) == 2:
         a, b = (np.asarray(v, np.float32)[0] for v in last.values())
         RESULTS["prefill_logits"] = dict(rel_err=float(np.abs(a - b).max() / np.abs(b).max()),

@@ -163,7 +163,8 @@ def test_lowers_at_qwen35s_longest_context():
     """A 262k-key span: 8192-key chunks, 512 page ids a program, loaded in TMA boxes of at most 256."""
     assert "mosaic_gpu" in am.lowered_for_gpu((1, 8, 24, 256), (256, 16, 4, 256), 262144 // 16)
     interleaved = am.BlockSizes(interleave=True)  # 32 programs a KV head (132 // 4 rounded down) of 4096 chunks
-    assert (am.plan(262144 // 16, 16, 4, interleaved).programs, am.plan(262144 // 16, 16, 4, interleaved).ids) == (32, 512)
+    p = am.plan(262144 // 16, 16, 4, interleaved)
+    assert (p.programs, p.ids) == (32, 512)
     assert "mosaic_gpu" in am.lowered_for_gpu((1, 8, 24, 256), (256, 16, 4, 256), 262144 // 16, interleaved)
 
 

@@ -68,7 +68,7 @@ def stream(url: str, path: str, body: dict, timeout: float = 3600) -> dict:
     u = urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
     t0 = time.perf_counter()
-    conn.request("POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
+    conn.request("POST", path, json.dumps({**body, "stream": True, "stream_options": {"include_usage": True}}), {"Content-Type": "application/json"})
     resp = conn.getresponse()
     if resp.status != 200:
         raise RuntimeError(f"{path}: HTTP {resp.status}: {resp.read().decode()[:300]}")

@@ -28,6 +28,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--copy-match", type=int, default=0, help="root-copy match length (0: the model's default)")
     ap.add_argument("--max-tokens", type=int, default=256, help="reply length when a request names none")
     ap.add_argument("--queue", type=int, default=64, help="requests that may wait for a lane; more get 429")
+    ap.add_argument("--api-key", default=None,
+                    help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: $TFJAX_API_KEY)")
+    ap.add_argument("--allowed-origins", default="", help="comma-separated origins for CORS ('*' for any)")
+    ap.add_argument("--max-body-mb", type=float, default=16.0, help="request bodies larger than this get 413")
+    ap.add_argument("--served-model-name", nargs="+", default=(),
+                    help="model names requests may use (the first is echoed when a request names none)")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--log-level", default="info")
     return ap.parse_args(argv)
@@ -50,8 +56,10 @@ def main(argv: list[str] | None = None) -> None:
     llm = api.load(args.model, drafter=drafter, lanes=args.parallel, width=args.width, context=args.context,
                    copy_match=args.copy_match, dtype=args.dtype)
     llm.drafter_name = drafter
+    origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()]
     app = create_app(llm, name=args.name or str(args.model), queue=args.queue, max_tokens=args.max_tokens,
-                     drafts=not args.no_drafts)
+                     drafts=not args.no_drafts, api_key=args.api_key, allowed_origins=origins,
+                     max_body_mb=args.max_body_mb, served_model_names=args.served_model_name)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 

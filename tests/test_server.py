@@ -72,7 +72,8 @@ def open_stream(url: str, path: str, body: dict):
     """A streaming POST: (connection, response) to read SSE lines from."""
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=120)
-    conn.request("POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
+    body = {"stream_options": {"include_usage": True}, **body, "stream": True}
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 200, resp.read()
     return conn, resp
@@ -127,7 +128,8 @@ def test_openai_client_streams_and_non_streams_a_chat_completion(served):
     assert len(whole.model_extra["token_sha256"]) == 64 and whole.model_extra["tokens_per_round"] >= 1
     pieces, usage = [], None
     for chunk in client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0.7,
-                                                stream=True, extra_body=extra):
+                                                stream=True, stream_options={"include_usage": True},
+                                                extra_body=extra):
         if chunk.choices:
             pieces.append(chunk.choices[0].delta.content or "")
         if chunk.usage is not None:
@@ -186,9 +188,13 @@ BAD = [
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2.5}, 400, "invalid_type"),
     ({"messages": [{"role": "user", "content": "x"}], "top_p": 0}, 400, "invalid_value"),
     ({"messages": [{"role": "user", "content": "x"}], "seed": -1}, 400, "invalid_value"),
-    ({"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "unsupported_parameter"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 0}, 400, "invalid_value"),
+    ({"messages": [{"role": "user", "content": "x"}], "temperature": 2.5}, 400, "invalid_value"),
+    ({"messages": [{"role": "user", "content": "x"}], "model": "gpt-4o"}, 404, "model_not_found"),
+    ({"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}}, 400,
+     "invalid_value"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "unsupported_parameter"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400, "unsupported_parameter"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400, "invalid_type"),
     ({"messages": [{"role": "user", "content": "x"}], "repetition_penalty": 1.1}, 400, "unknown_parameter"),
     ({"max_tokens": 4}, 400, "missing_required_parameter"),
     ({"messages": [{"role": "user", "content": "word " * 300}]}, 400, "context_length_exceeded"),

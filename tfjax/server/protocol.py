@@ -13,11 +13,15 @@ import math
 import time
 from typing import Any
 
+from tfjax.server import tools as tooling
+from tfjax.server.errors import ApiError, error_body
+
+__all__ = ["ApiError", "error_body", "Params", "parse_completion", "load_json"]
+
 # Fields we accept and ignore: they ask nothing of generation.
 IGNORED = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
 # Fields we accept only at their "off" value, since we cannot honour anything else.
 OFF_VALUES: dict[str, tuple] = {
-    "n": (None, 1),
     "best_of": (None, 1),
     "logprobs": (None, False, 0),
     "top_logprobs": (None, 0),
@@ -26,33 +30,19 @@ OFF_VALUES: dict[str, tuple] = {
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}),
-    "tools": (None, []),
     "functions": (None, []),
-    "tool_choice": (None, "none", "auto"),
     "function_call": (None, "none", "auto"),
     "parallel_tool_calls": (None, True, False),
     "response_format": (None, {"type": "text"}),
 }
 SAMPLING = ("max_tokens", "max_completion_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "draft",
-            "ignore_eos", "stream", "stream_options", "model")
+            "ignore_eos", "stream", "stream_options", "model", "n")
+CHAT_ONLY = ("tools", "tool_choice", "chat_template_kwargs")
+MAX_N = 128  # OpenAI's bound on choices per request
+INT_MAX = 2**31 - 1  # integers the engine takes as int32
+# Template variables a request may not set through chat_template_kwargs: the server passes them itself.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt"})
 ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-class ApiError(Exception):
-    """A refused request: HTTP status, OpenAI error type and code, the offending parameter."""
-
-    def __init__(self, status: int, message: str, code: str, param: str | None = None,
-                 type: str = "invalid_request_error", headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.code, self.param, self.type = status, message, code, param, type
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return error_body(self.message, self.type, self.code, self.param)
-
-
-def error_body(message: str, type: str, code: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,21 +62,59 @@ class Params:
     ignore_eos: bool = False
     stream: bool = False
     model: str | None = None
+    n: int = 1
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage and no choices
+    tools: tuple[dict, ...] = ()
+    tool_choice: str | None = None  # None, "none", "auto", "required", or the one function's name
+    template_kwargs: dict = dataclasses.field(default_factory=dict)  # chat_template_kwargs
+
+    @property
+    def parse_tools(self) -> bool:
+        """Whether the reply is read for tool calls."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
 
 
 def load_json(raw: bytes) -> dict:
-    """The request body as a JSON object, or 400 invalid_json."""
+    """The request body as a JSON object, or 400 invalid_json: also for NaN/Infinity, nesting deeper than Python's
+    recursion limit, integers of more than 4300 digits and strings holding lone surrogates (no UTF-8 exists)."""
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply", "invalid_json") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}", "invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, not {type(body).__name__}", "invalid_json")
+    _check_strings(body)
     return body
 
 
+def _check_strings(value: Any) -> None:
+    """400 for any key or string that is not valid Unicode text (a lone surrogate such as "\\ud800")."""
+    todo = [value]
+    while todo:  # a loop, not recursion: the body may be as deep as json.loads allows
+        v = todo.pop()
+        if isinstance(v, dict):
+            todo.extend(v.keys())
+            todo.extend(v.values())
+        elif isinstance(v, list):
+            todo.extend(v)
+        elif isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ApiError(400, "the request body holds a string with a lone surrogate (an escape such as "
+                               "\\ud800 without its pair); send valid Unicode", "invalid_json") from None
+
+
 def _type_error(name: str, want: str, value: Any) -> ApiError:
-    return ApiError(400, f"'{name}' must be {want}, got {json.dumps(value)}", "invalid_type", name)
+    shown = json.dumps(value)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return ApiError(400, f"'{name}' must be {want}, got {shown}", "invalid_type", name)
 
 
 def _number(body: dict, name: str, default, *, integer: bool = False, lo=None, hi=None, lo_open: bool = False):
@@ -97,6 +125,8 @@ def _number(body: dict, name: str, default, *, integer: bool = False, lo=None, h
         raise _type_error(name, "an integer" if integer else "a number", value)
     if not integer and not math.isfinite(value):
         raise ApiError(400, f"'{name}' must be finite, got {value}", "invalid_value", name)
+    if integer and hi is None:
+        hi = INT_MAX
     if (lo is not None and (value <= lo if lo_open else value < lo)) or (hi is not None and value > hi):
         span = f"{'(' if lo_open else '['}{lo}, {hi if hi is not None else 'inf'}]"
         raise ApiError(400, f"'{name}' must be in {span}, got {value}", "invalid_value", name)
@@ -127,7 +157,7 @@ def _stop(body: dict) -> tuple[str, ...]:
 def _content(message: dict, i: int) -> str:
     """A message's text: a string, or a list of text parts joined."""
     content = message.get("content")
-    if content is None and message.get("role") == "assistant":
+    if content is None and message.get("role") == "assistant":  # a message of tool calls only
         return ""
     if isinstance(content, str):
         return content
@@ -145,12 +175,24 @@ def _messages(body: dict) -> list[dict]:
         raise _type_error("messages", "a non-empty list of message objects", messages)
     out = []
     for i, m in enumerate(messages):
-        if m.get("role") not in ROLES:
-            raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got {json.dumps(m.get('role'))}",
+        role = m.get("role")
+        if not isinstance(role, str) or role not in ROLES:
+            raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got {json.dumps(role)[:80]}",
                            "invalid_value", f"messages[{i}].role")
-        if m.get("tool_calls"):
-            raise ApiError(400, "tool calls are not supported", "unsupported_parameter", f"messages[{i}].tool_calls")
-        out.append({"role": m["role"], "content": _content(m, i)})
+        message = {"role": role, "content": _content(m, i)}
+        if m.get("tool_calls") is not None:
+            if role != "assistant":
+                raise ApiError(400, f"messages[{i}]: only assistant messages carry tool_calls", "invalid_value",
+                               f"messages[{i}].tool_calls")
+            message["tool_calls"] = tooling.check_message_calls(m["tool_calls"], i)
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise ApiError(400, f"messages[{i}]: a tool message needs 'tool_call_id' (a string), the id of the "
+                               "call it answers", "missing_required_parameter", f"messages[{i}].tool_call_id")
+            message["tool_call_id"] = m["tool_call_id"]
+        if isinstance(m.get("name"), str):
+            message["name"] = m["name"]
+        out.append(message)
     return out
 
 
@@ -174,7 +216,7 @@ def parse_completion(body: dict, chat: bool, default_temperature: float = 1.0) -
     """Validate a /v1/chat/completions (chat) or /v1/completions body; every refusal is a 400 ApiError."""
     prompt_field = "messages" if chat else "prompt"
     for name in body:
-        if name in IGNORED or name in SAMPLING or name == prompt_field:
+        if name in IGNORED or name in SAMPLING or name == prompt_field or (chat and name in CHAT_ONLY):
             continue
         if name in OFF_VALUES:
             if body[name] not in OFF_VALUES[name]:
@@ -183,21 +225,37 @@ def parse_completion(body: dict, chat: bool, default_temperature: float = 1.0) -
             continue
         raise ApiError(400, f"unrecognized request argument: '{name}'", "unknown_parameter", name)
     prompt = _messages(body) if chat else _prompt(body)
-    if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
-        raise ApiError(400, "give 'max_tokens' or 'max_completion_tokens', not both", "invalid_value", "max_tokens")
-    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _number(body, name, None, integer=True, lo=1)
+    max_tokens = _number(body, "max_tokens", None, integer=True, lo=1)
+    if body.get("max_completion_tokens") is not None:  # the newer name wins
+        max_tokens = _number(body, "max_completion_tokens", None, integer=True, lo=1)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _type_error("model", "a string", model)
+    stream = _bool(body, "stream", False)
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
         raise _type_error("stream_options", 'an object like {"include_usage": true}', options)
+    if options is not None and not stream:
+        raise ApiError(400, "'stream_options' is only allowed with \"stream\": true", "invalid_value",
+                       "stream_options")
+    include_usage = _bool(options or {}, "include_usage", False)
+    tools = tooling.check_tools(body["tools"]) if body.get("tools") is not None else ()
+    tool_choice = tooling.check_tool_choice(body.get("tool_choice"), tools)
+    if tool_choice not in (None, "none") and not tools:
+        raise ApiError(400, "'tool_choice' needs 'tools'", "invalid_value", "tool_choice")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict):
+        raise _type_error("chat_template_kwargs", 'an object such as {"enable_thinking": false}', kwargs)
+    if reserved := sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs)):
+        raise ApiError(400, f"'chat_template_kwargs' may not set '{reserved[0]}': the request's own fields do",
+                       "invalid_value", "chat_template_kwargs")
     return Params(
         chat=chat,
         prompt=prompt,
         max_tokens=max_tokens,
-        temperature=float(_number(body, "temperature", default_temperature, lo=0.0)),
+        temperature=float(_number(body, "temperature", default_temperature, lo=0.0, hi=2.0)),
         top_k=_number(body, "top_k", 0, integer=True, lo=0),
         top_p=float(_number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True)),
         min_p=float(_number(body, "min_p", 0.0, lo=0.0, hi=1.0)),
@@ -205,8 +263,13 @@ def parse_completion(body: dict, chat: bool, default_temperature: float = 1.0) -
         stop=_stop(body),
         draft=_bool(body, "draft", True),
         ignore_eos=_bool(body, "ignore_eos", False),
-        stream=_bool(body, "stream", False),
+        stream=stream,
         model=model,
+        n=_number(body, "n", 1, integer=True, lo=1, hi=MAX_N),
+        include_usage=include_usage,
+        tools=tools,
+        tool_choice=tool_choice,
+        template_kwargs=kwargs,
     )
 
 
@@ -214,46 +277,70 @@ def completion_id(chat: bool, request_id: int) -> str:
     return f"{'chatcmpl' if chat else 'cmpl'}-tfjax-{request_id}"
 
 
-def chunk(params: Params, rid: str, model: str, created: int, *, text: str | None = None, role: bool = False,
-          finish_reason: str | None = None) -> dict:
-    """One streamed event: a role opener, a text delta, or the finish."""
+def chunk(params: Params, rid: str, model: str, created: int, *, index: int = 0, text: str | None = None,
+          role: bool = False, tool_calls: list[dict] | None = None, finish_reason: str | None = None,
+          extra: dict | None = None) -> dict:
+    """One streamed event of one choice: a role opener, a text delta, tool-call deltas, or the finish (whose
+    `extra` carries tfjax's token hash and tokens per round)."""
     if params.chat:
-        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
-    choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+        if role:
+            delta = {"role": "assistant", "content": ""}
+        elif tool_calls:
+            delta = {"tool_calls": tool_calls}
+        else:
+            delta = {"content": text} if text is not None else {}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
+    else:
+        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        out = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+    return {**out, **(extra or {})}
 
 
-def usage(result) -> dict:
-    """Token counts plus what tfjax adds to every reply: the token hash and tokens per round."""
-    n = len(result.token_ids)
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": n, "total_tokens": result.prompt_tokens + n}
+def usage(results: list) -> dict:
+    """Token counts summed over the choices (the prompt counted once, as OpenAI does)."""
+    prompt = results[0].prompt_tokens
+    n = sum(len(r.token_ids) for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
 
 
 def extras(result, draft: bool) -> dict:
+    """What tfjax adds to a reply: the token hash, tokens per round, rounds, and whether it drafted."""
     return {"token_sha256": result.token_sha256, "tokens_per_round": round(result.tokens_per_round, 4),
             "rounds": result.rounds, "draft": draft}
 
 
-def usage_chunk(params: Params, rid: str, model: str, created: int, result, draft: bool) -> dict:
-    """The stream's last event: no choices, the usage, the hash and tokens per round."""
+def usage_chunk(params: Params, rid: str, model: str, created: int, results: list, draft: bool) -> dict:
+    """The stream's last event when stream_options.include_usage asks: no choices, the usage (and choice 0's hash)."""
     obj = "chat.completion.chunk" if params.chat else "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage(result),
-            **extras(result, draft)}
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage(results),
+            **extras(results[0], draft)}
 
 
-def reply(params: Params, rid: str, model: str, created: int, text: str, result, draft: bool) -> dict:
-    """A whole (non-streamed) reply."""
-    if params.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": result.finish_reason}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": result.finish_reason}
-        obj = "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
-            "usage": usage(result), **extras(result, draft)}
+def finish_reason(result, calls) -> str:
+    return "tool_calls" if calls and result.finish_reason == "stop" else result.finish_reason
+
+
+def choice(params: Params, index: int, text: str, result, draft: bool) -> dict:
+    """One whole choice; with tools offered, `<tool_call>` blocks become `tool_calls`."""
+    more = extras(result, draft) if params.n > 1 else {}
+    if not params.chat:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": result.finish_reason, **more}
+    message: dict = {"role": "assistant", "content": text}
+    calls = []
+    if params.parse_tools:
+        message["content"], calls = tooling.parse(text)
+        if calls:
+            message["tool_calls"] = [c.openai() for c in calls]
+    return {"index": index, "message": message, "logprobs": None, "finish_reason": finish_reason(result, calls),
+            **more}
+
+
+def reply(params: Params, rid: str, model: str, created: int, choices: list[dict], results: list, draft: bool) -> dict:
+    """A whole (non-streamed) reply; the top-level hash is choice 0's."""
+    obj = "chat.completion" if params.chat else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices,
+            "usage": usage(results), **extras(results[0], draft)}
 
 
 def now() -> int:

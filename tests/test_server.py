@@ -21,16 +21,12 @@ QUEUE = 3
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served():
     """(base url, Server) for a tiny model with 4 lanes, run by uvicorn in a background thread."""
-    from tests.helpers import make_tiny_llama_with_tokenizer
-    from tfjax import api, packaged
+    from tests.server_helpers import tiny_llm
     from tfjax.server import create_app
 
-    folder = make_tiny_llama_with_tokenizer(tmp_path_factory.mktemp("tiny") / "tiny",
-                                            packaged.ensure_converted("smollm2"))
-    llm = api.load(folder, lanes=4, width=4, context=256)
-    app = create_app(llm, name="tiny", queue=QUEUE, max_tokens=16)
+    app = create_app(tiny_llm(), name="tiny", queue=QUEUE, max_tokens=16)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -275,11 +275,11 @@ class Server:
         """The prompt text (chat messages through the chat template, with tools), or token ids as given."""
         if not params.chat:
             return params.prompt
-        messages, tools = tooling.render_args(params.prompt, params.tools, params.tool_choice,
-                                              self.template_knows_tools)
         try:
+            messages, tools = tooling.render_args(params.prompt, params.tools, params.tool_choice,
+                                                  self.template_knows_tools)
             return self.tokenizer.apply_chat_template(messages, tools=tools, **params.template_kwargs)
-        except Exception as e:  # a template that refuses these messages or kwargs
+        except Exception as e:  # a template that refuses these messages or kwargs; values nested too deep
             raise ApiError(400, f"cannot render the prompt with the chat template: {e}", "invalid_value",
                            "messages") from None
 

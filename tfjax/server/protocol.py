@@ -111,10 +111,16 @@ def _check_strings(value: Any) -> None:
                                "\\ud800 without its pair); send valid Unicode", "invalid_json") from None
 
 
+def _show(value: Any) -> str:
+    """A short rendering of a client's value for an error message (never a deep or long dump)."""
+    if isinstance(value, dict | list):
+        return f"{'an object' if isinstance(value, dict) else 'a list'} of {len(value)} items"
+    shown = json.dumps(value[:80] if isinstance(value, str) else value)
+    return shown if len(shown) <= 80 else shown[:77] + "..."
+
+
 def _type_error(name: str, want: str, value: Any) -> ApiError:
-    shown = json.dumps(value)
-    shown = shown if len(shown) <= 80 else shown[:77] + "..."
-    return ApiError(400, f"'{name}' must be {want}, got {shown}", "invalid_type", name)
+    return ApiError(400, f"'{name}' must be {want}, got {_show(value)}", "invalid_type", name)
 
 
 def _number(body: dict, name: str, default, *, integer: bool = False, lo=None, hi=None, lo_open: bool = False):
@@ -177,7 +183,7 @@ def _messages(body: dict) -> list[dict]:
     for i, m in enumerate(messages):
         role = m.get("role")
         if not isinstance(role, str) or role not in ROLES:
-            raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got {json.dumps(role)[:80]}",
+            raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got {_show(role)}",
                            "invalid_value", f"messages[{i}].role")
         message = {"role": role, "content": _content(m, i)}
         if m.get("tool_calls") is not None:
@@ -220,7 +226,7 @@ def parse_completion(body: dict, chat: bool, default_temperature: float = 1.0) -
             continue
         if name in OFF_VALUES:
             if body[name] not in OFF_VALUES[name]:
-                raise ApiError(400, f"'{name}' = {json.dumps(body[name])} is not supported by this server",
+                raise ApiError(400, f"'{name}' = {_show(body[name])} is not supported by this server",
                                "unsupported_parameter", name)
             continue
         raise ApiError(400, f"unrecognized request argument: '{name}'", "unknown_parameter", name)

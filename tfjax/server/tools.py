@@ -40,7 +40,7 @@ def _call(body: str) -> ToolCall | None:
     """The call in one `<tool_call>` block, or None when it is not a JSON object with a name."""
     try:
         obj = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
@@ -48,7 +48,7 @@ def _call(body: str) -> ToolCall | None:
     if isinstance(args, str):
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(args, dict):
         return None
@@ -171,7 +171,7 @@ def check_message_calls(value: Any, i: int) -> list[dict]:
         if isinstance(args, str):
             try:
                 args = json.loads(args)
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise ApiError(400, f"'{where}[{j}].function.arguments' is not valid JSON", "invalid_value",
                                f"{where}[{j}].function.arguments") from None
         if not isinstance(args, dict):

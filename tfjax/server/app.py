@@ -218,9 +218,10 @@ def max_token_bytes(tokenizer) -> int | None:
         return None
     most = max((len(t.content.encode()) for t in added), default=1)
     for i in range(backend.get_vocab_size(with_added_tokens=True)):
+        # Byte-level pieces have one symbol per byte; a Metaspace piece covers its decoded text plus at most the
+        # one leading space its decoder strips; a byte-fallback piece (<0x41>) covers one byte.
         piece = backend.id_to_token(i) or ""
-        text = backend.decode([i], skip_special_tokens=False)
-        most = max(most, len(piece.encode()), len(text.encode()))  # both over-estimate: the bound stays safe
+        most = max(most, len(piece), len(backend.decode([i], skip_special_tokens=False).encode()) + 1)
     return most
 
 

@@ -41,5 +41,7 @@ def test_the_api_key_guards_every_endpoint_but_health_and_cors_preflight_passes(
             assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "http://app.example"
             other = await client.get("/health", headers={"Origin": "http://evil.example"})
             assert "access-control-allow-origin" not in other.headers
+            metrics = (await client.get("/metrics", headers={"Authorization": "Bearer sekrit"})).text
+            assert 'tfjax_requests_total{outcome="rejected_invalid_api_key"} 6.0' in metrics  # 2 paths x 3 tries
 
     asyncio.run(go())

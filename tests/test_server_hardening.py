@@ -215,6 +215,23 @@ def test_chat_template_kwargs_reach_the_template(served, monkeypatch):
     assert status == 200 and reply["usage"]["prompt_tokens"] == counts["off"]
 
 
+def test_a_template_that_knows_tools_gets_them_and_tool_choice_none_leaves_them_out(served, monkeypatch):
+    url, server = served
+    monkeypatch.setattr(server.tokenizer, "chat_template",
+                        "{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}"
+                        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+    monkeypatch.setattr(server, "template_knows_tools", True)
+    tools = [{"type": "function", "function": {"name": "lookup_the_weather_in_a_city"}}]
+    counts = {}
+    for choice in ("auto", "none", "required"):
+        body = {"messages": MSG, "tools": tools, "tool_choice": choice}
+        status, reply, _ = request(connect(url), "POST", "/v1/chat/completions", {**GREEDY, **body})
+        assert status == 200, reply
+        counts[choice] = reply["usage"]["prompt_tokens"]
+    plain = request(connect(url), "POST", "/tokenize", {"messages": MSG})[1]["count"]
+    assert counts["none"] == plain < counts["auto"] < counts["required"]  # required adds its instruction
+
+
 def test_n_choices_are_keyed_streams_each_equal_to_its_own_seeded_request(served):
     url, _ = served
     conn = connect(url)

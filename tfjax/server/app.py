@@ -50,6 +50,7 @@ from tfjax.server.metrics import CONTENT_TYPE, Metrics
 
 log = logging.getLogger(__name__)
 MAX_BODY_MB = 16.0
+COMPLETIONS = ("/v1/chat/completions", "/v1/completions")  # the requests /metrics counts by outcome
 PARSE_INLINE_BYTES = 1 << 16  # bodies up to this many bytes are parsed on the event loop (a thread hop costs more)
 
 
@@ -560,8 +561,8 @@ class Guard:
 class ApiKey:
     """401 with OpenAI's body unless `Authorization: Bearer <key>` is sent; /health stays open."""
 
-    def __init__(self, app, key: str):
-        self.app, self.want = app, f"Bearer {key}".encode()
+    def __init__(self, app, key: str, metrics: Metrics | None = None):
+        self.app, self.want, self.metrics = app, f"Bearer {key}".encode(), metrics
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] == "/health":
@@ -571,6 +572,8 @@ class ApiKey:
             return await self.app(scope, receive, send)
         message = ("Incorrect API key provided." if got else
                    "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.")
+        if self.metrics is not None and scope["path"] in COMPLETIONS:
+            self.metrics.rejected("invalid_api_key")
         response = JSONResponse(error_body(message, "invalid_request_error", "invalid_api_key"), status_code=401,
                                 headers={"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)
@@ -620,7 +623,7 @@ def create_app(llm, *, name: str = "tfjax", queue: int = 64, max_tokens: int = 2
                                      allow_headers=["*"]))
     middleware.append(Middleware(Guard))
     if api_key:
-        middleware.append(Middleware(ApiKey, key=api_key))
+        middleware.append(Middleware(ApiKey, key=api_key, metrics=server.metrics))
     app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                     exception_handlers={HTTPException: _http_error})
     app.state.server = server

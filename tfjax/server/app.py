@@ -233,6 +233,8 @@ class Server:
         self.worker = Worker(self.engine)
         self.metrics = Metrics()
         self.created = protocol.now()
+        # OpenAI's temperature 1 where a request is silent, unless the checkpoint's generation_config.json names one
+        self.default_temperature = getattr(llm, "generation_defaults", {}).get("temperature", 1.0)
 
     # --- building a request -------------------------------------------------------------------------
     def _encode(self, prompt) -> list[int]:
@@ -273,7 +275,7 @@ class Server:
     async def _complete(self, http: HttpRequest, chat: bool) -> Response:
         stream = Stream(asyncio.get_running_loop(), self.llm.tokenizer, ())
         try:
-            params = protocol.parse_completion(protocol.load_json(await http.body()), chat)
+            params = protocol.parse_completion(protocol.load_json(await http.body()), chat, self.default_temperature)
             stream.stops = params.stop
             req = self._request(params, stream)
             if not self.worker.alive:

@@ -46,6 +46,7 @@ def test_hub_id_resolves_from_the_hub_cache_offline(offline_hub, tiny):
     assert llm.path == snapshot and llm.config.vocab_size == 49152
 
 
+@pytest.mark.slow  # quantizing the tiny model takes a while on 2 cores; the hub path is the bf16 test's
 def test_mlx_4bit_repo_loads_by_hub_id(offline_hub, tiny, tmp_path):
     from tfjax import checkpoint
 

@@ -146,6 +146,8 @@ def test_serve_options_are_the_apps_keyword_arguments():
     kw = cli.serve_options(args)
     assert kw == {"name": "a", "queue": 3, "max_tokens": 9, "drafts": False, "api_key": "k",
                   "allowed_origins": ("http://a", "*"), "max_body_mb": 4, "served_model_names": ("a", "b")}
+    assert cli.serve_options(cli.parser().parse_args(["serve", "m"])) == {"name": "m", "queue": 64, "max_tokens": 256,
+                                                                          "drafts": True}
     from tfjax.server import create_app
 
     params = inspect.signature(create_app).parameters

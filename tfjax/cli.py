@@ -230,13 +230,12 @@ def chat(args, stdin=None, stdout=None) -> int:
 
 
 def serve_options(args) -> dict:
-    """create_app's keywords for `tfjax serve`'s options (each option named as the app's argument)."""
+    """create_app's keywords for `tfjax serve`'s options; those left at their default keep the app's default."""
     names = tuple(args.served_model_name or (str(args.model),))
-    kw = {"name": names[0], "queue": args.queue, "max_tokens": args.max_tokens, "drafts": not args.no_draft,
-          "api_key": args.api_key, "allowed_origins": tuple(args.allowed_origins), "served_model_names": names}
-    if args.max_body_mb is not None:
-        kw["max_body_mb"] = args.max_body_mb
-    return kw
+    kw = {"name": names[0], "queue": args.queue, "max_tokens": args.max_tokens, "drafts": not args.no_draft}
+    given = {"api_key": args.api_key, "allowed_origins": tuple(args.allowed_origins),
+             "max_body_mb": args.max_body_mb, "served_model_names": tuple(args.served_model_name or ())}
+    return kw | {k: v for k, v in given.items() if v not in (None, ())}
 
 
 def serve(args) -> int:

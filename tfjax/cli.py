@@ -14,6 +14,13 @@ class CliError(Exception):
     """A refusal the user can act on: printed as one line, no traceback."""
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults shown after each flag's help, except where there is none to show (None, off switches)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default in (None, False, ()) else super()._get_help_string(action)
+
+
 def _positive(value: str) -> int:
     n = int(value) if value.lstrip("-").isdigit() else None
     if n is None or n < 1:
@@ -58,7 +65,7 @@ def _add_model(p: argparse.ArgumentParser, *, context: int = 2048) -> None:
                    help="tokens per lane: prompt + reply + one round of proposals")
     p.add_argument("--drafter", default=None,
                    help="a draft checkpoint folder (a smaller model with the same tokenizer, or a DFlash2 folder), "
-                        "or 'dflash2' for runs/<model>-dflash2/drafter; none: copies only")
+                        "or 'dflash2' for runs/<model>-dflash2/drafter (default: none, proposals are copies only)")
     p.add_argument("--copy-match", type=_non_negative(int), default=0,
                    help="matching tokens before the lane's own context is copied as proposals (0: the default)")
     p.add_argument("--no-draft", action="store_true", help="the plain reference path: no proposals at all")
@@ -76,11 +83,11 @@ def _add_sampling(p: argparse.ArgumentParser, *, max_tokens: int) -> None:
                    help="nucleus sampling mass; default: generation_config.json, else 1")
     p.add_argument("--min-p", type=_fraction, default=None,
                    help="drop tokens below min_p x the top probability; default: generation_config.json, else 0")
-    p.add_argument("--seed", type=_non_negative(int), default=None, help="sampling seed (same seed, same tokens)")
+    p.add_argument("--seed", type=_non_negative(int), default=None, help="sampling seed (default: one derived from the prompt, so a rerun repeats)")
 
 
 def parser() -> argparse.ArgumentParser:
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = _Help
     ap = argparse.ArgumentParser(prog="tfjax", description="JAX-compiled LLM inference with exact speculative "
                                  "decoding.", formatter_class=fmt)
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="{generate,chat,serve,convert}")

@@ -83,7 +83,8 @@ def _add_sampling(p: argparse.ArgumentParser, *, max_tokens: int) -> None:
                    help="nucleus sampling mass; default: generation_config.json, else 1")
     p.add_argument("--min-p", type=_fraction, default=None,
                    help="drop tokens below min_p x the top probability; default: generation_config.json, else 0")
-    p.add_argument("--seed", type=_non_negative(int), default=None, help="sampling seed (default: one derived from the prompt, so a rerun repeats)")
+    p.add_argument("--seed", type=_non_negative(int), default=None,
+                   help="sampling seed (default: one derived from the prompt, so a rerun repeats)")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -36,7 +36,8 @@ def tiny(tmp_path_factory):
     from tests.helpers import make_tiny_llama_with_tokenizer
     from tfjax import packaged
 
-    return make_tiny_llama_with_tokenizer(tmp_path_factory.mktemp("tiny") / "tiny", packaged.ensure_converted("smollm2"))
+    return make_tiny_llama_with_tokenizer(tmp_path_factory.mktemp("tiny") / "tiny",
+                                          packaged.ensure_converted("smollm2"))
 
 
 @pytest.fixture(scope="module")

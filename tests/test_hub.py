@@ -17,7 +17,8 @@ REVISION = "0123456789abcdef0123456789abcdef01234567"
 def tiny(tmp_path_factory):
     from tests.helpers import make_tiny_llama_with_tokenizer
 
-    return make_tiny_llama_with_tokenizer(tmp_path_factory.mktemp("tiny") / "tiny", packaged.ensure_converted("smollm2"))
+    return make_tiny_llama_with_tokenizer(tmp_path_factory.mktemp("tiny") / "tiny",
+                                          packaged.ensure_converted("smollm2"))
 
 
 def fake_hub(root, repo: str, folder) -> object:

@@ -30,7 +30,8 @@ def offline() -> bool:
     """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE), read now rather than when huggingface_hub was imported."""
     from huggingface_hub import constants
 
-    return constants.HF_HUB_OFFLINE or any(_truthy(os.environ.get(k)) for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    names = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    return constants.HF_HUB_OFFLINE or any(_truthy(os.environ.get(k)) for k in names)
 
 
 def check_folder(path: Path) -> Path:

@@ -167,7 +167,7 @@ class Tokenizer:
 
 
 def _bos_ids(backend, add_bos_token: bool | None, special: dict[str, str | None]) -> tuple[int, ...]:
-    """What goes before a raw prompt: tokenizer_config's `add_bos_token` when it says, else the post-processor's lead."""
+    """What goes before a raw prompt: tokenizer_config's `add_bos_token` if set, else the post-processor's lead."""
     bos = special.get("bos_token")
     if add_bos_token is not None:
         bos_id = backend.token_to_id(bos) if add_bos_token and bos else None

@@ -74,6 +74,13 @@ def test_cli_hub_id_that_cannot_be_reached_is_one_line(offline_hub, capsys):
         err.count("\n") == 1
 
 
+def test_a_missing_folder_that_looks_like_a_hub_id_names_both(offline_hub, tmp_path, monkeypatch):
+    (tmp_path / "runs").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(hub.ModelNotFound, match="there is no folder runs/typo; as a Hugging Face id: 'runs/typo'"):
+        hub.resolve("runs/typo")
+
+
 def test_a_gguf_file_is_pointed_at_convert(tmp_path):
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
     with pytest.raises(hub.ModelNotFound, match="tfjax convert FILE.gguf OUT"):

@@ -110,6 +110,11 @@ def resolve(name_or_path: str | os.PathLike) -> Path:
     if name in packaged.MODELS:
         return packaged.ensure_converted(name)
     if HUB_ID.match(name):
-        return download(name)
+        try:
+            return download(name)
+        except ModelNotFound as e:
+            if path.parent.is_dir():  # `runs/x` with a `runs/` here: more likely a mistyped folder than a hub id
+                raise ModelNotFound(f"there is no folder {name}; as a Hugging Face id: {e}") from None
+            raise
     raise ModelNotFound(f"{name!r} is not a checkpoint folder, a packaged model ({known}) or a Hugging Face id "
                         f"(org/name); pass one of those")

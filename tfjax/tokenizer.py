@@ -100,7 +100,6 @@ class Tokenizer:
         self.chat_template = chat_template
         self.special_tokens = dict(special_tokens or {})  # bos_token, eos_token, pad_token, unk_token
         self.eos_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_ids))
-        self._added = {i: t.content for i, t in backend.get_added_tokens_decoder().items()}
         self.bos_ids: tuple[int, ...] = tuple(bos_ids)  # put before raw prompts (never before chat templates)
 
     @classmethod

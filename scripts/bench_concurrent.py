@@ -218,7 +218,7 @@ def start_server(args, lanes: int) -> tuple[subprocess.Popen, str]:
         port = s.getsockname()[1]
     cmd = [sys.executable, str(Path(__file__).with_name("serve.py")), "--model", args.model, "--port", str(port),
            "--parallel", str(lanes), "--context", str(args.context), "--drafter", args.drafter,
-           "--log-level", "warning", *(["--no-drafts"] if args.no_drafts else [])]
+           "--log-level", "warning", *(["--no-draft"] if args.no_draft else [])]
     root = str(Path(__file__).resolve().parent.parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen(cmd, env=env)
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--baseline", help="an earlier --output to compare speed and hashes with")
     ap.add_argument("--context", type=int, default=2048, help="with --model")
     ap.add_argument("--drafter", default="none", help="with --model: none, dflash2 or a folder")
-    ap.add_argument("--no-drafts", action="store_true", help="with --model: start the server with --no-drafts")
+    ap.add_argument("--no-draft", action="store_true", help="with --model: start the server with --no-draft")
     args = ap.parse_args(argv)
     args.sampled = {"top_k": args.top_k, "top_p": args.top_p}
     levels = [int(x) for x in args.levels.split(",")]

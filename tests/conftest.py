@@ -16,3 +16,9 @@ def target():
     from tfjax import geometry, models
 
     return models.build(geometry.tiny_dense, seed=11)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_compile_cache_in_the_users_cache():
+    """Tests never write compiled programs into ~/.cache/tfjax/jax (the packaged models' cache stays shared)."""
+    os.environ.setdefault("TFJAX_COMPILE_CACHE", "off")

@@ -75,7 +75,7 @@ def test_a_failed_reply_carries_its_error_and_the_next_one_is_whole(llm, monkeyp
 
 
 def test_unknown_model_name_is_a_clear_error():
-    with pytest.raises(FileNotFoundError, match="neither a checkpoint folder nor a packaged model"):
+    with pytest.raises(FileNotFoundError, match="is not a checkpoint folder, a packaged model"):
         api.resolve("no-such-model")
 
 

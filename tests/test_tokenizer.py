@@ -162,3 +162,108 @@ def test_qwen25_coder_ids_and_template_match_transformers():
         expected = ref.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True, **kw)
         assert ours.apply_chat_template(MESSAGES, **kw) == expected
     assert ours.eos_ids == (151645, 151643)  # as Qwen's own generation_config
+
+
+# --------------------------------------------------------------------------------------------------
+# SentencePiece-style vocabularies (Llama-2, Mistral, TinyLlama): Metaspace spaces and byte fallback
+
+SP_TRAIN = ["the quick brown fox jumps over the lazy dog", "a café in the town", "hello world, hello there",
+            "streaming text one token at a time"] * 4
+SP_TEXT = "hello  wörld, the café ☕ says 日本語 🤖!\n  indented\tend "
+
+
+def sentencepiece_tokenizer(style: str):
+    """A tiny BPE with byte fallback, trained here; `llama2`: normalizer + Replace/Strip decoder as Llama-2's
+    tokenizer.json, `metaspace`: a Metaspace pre-tokenizer and decoder. Characters outside the training text
+    (ö, ☕, 日本語, 🤖, tab) only exist as <0xNN> byte pieces."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
+    probe = Backend(models.BPE(unk_token="<unk>"))
+    probe.pre_tokenizer = pre_tokenizers.Metaspace()
+    probe.train_from_iterator(SP_TRAIN, trainer)
+    trained = json.loads(probe.to_str())["model"]
+    vocab = dict(trained["vocab"])
+    for b in range(256):
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in trained["merges"]]
+    tok = Backend(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    if style == "llama2":
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+        tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace(prepend_scheme="first")])
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
+    return tok
+
+
+@pytest.mark.parametrize("style", ["llama2", "metaspace"])
+def test_sentencepiece_stream_equals_decode(style):
+    tok = Tokenizer(sentencepiece_tokenizer(style), None, {"bos_token": "<s>"})
+    ids = tok.encode(SP_TEXT)
+    pieces = [tok.backend.id_to_token(i) for i in ids]
+    assert any(p.startswith("<0x") for p in pieces) and any("▁" in p for p in pieces)  # both kinds are exercised
+    assert tok.decode(ids) == SP_TEXT
+    dec = tok.incremental_decoder()
+    streamed = [dec.push(i) for i in ids]
+    assert "".join(streamed) + dec.flush() == tok.decode(ids)
+    assert not any("\ufffd" in p for p in streamed)  # byte pieces of one character wait for the last of them
+    assert "" in streamed  # ... so some tokens returned nothing yet
+    # With a BOS first and skip_special_tokens, as the server streams a reply.
+    dec = tok.incremental_decoder(skip_special_tokens=True)
+    both = [tok.backend.token_to_id("<s>"), *ids]
+    assert "".join(dec.push(i) for i in both) + dec.flush() == tok.decode(both, skip_special_tokens=True)
+
+
+def test_stream_flush_gives_the_replacement_character_decode_gives():
+    tok = Tokenizer(sentencepiece_tokenizer("metaspace"), None, {})
+    ids = tok.encode("ok 🤖")[:-1]  # the emoji's last byte piece cut off
+    dec = tok.incremental_decoder()
+    assert dec.push(ids) + dec.flush() == tok.decode(ids)
+    assert tok.decode(ids).endswith("\ufffd")
+
+
+def test_stream_refuses_ids_outside_the_vocabulary():
+    tok = Tokenizer(sentencepiece_tokenizer("metaspace"), None, {})
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tok.incremental_decoder().push([tok.vocab_size])
+
+
+def save_tokenizer(tmp_path, backend, tok_config: dict):
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    return Tokenizer.from_dir(tmp_path)
+
+
+def test_raw_prompts_get_the_bos_the_post_processor_adds_once(tmp_path):
+    tok = save_tokenizer(tmp_path, sentencepiece_tokenizer("llama2"), {"bos_token": "<s>"})
+    bos = tok.token_to_id("<s>")
+    assert tok.bos_ids == (bos,)
+    assert tok.encode_prompt("hello world") == [bos, *tok.encode("hello world")]
+    assert tok.encode_prompt("<s>hello world") == [bos, *tok.encode("hello world")]  # not twice
+
+
+def test_add_bos_token_in_tokenizer_config_decides(tmp_path):
+    backend = sentencepiece_tokenizer("llama2")
+    assert save_tokenizer(tmp_path, backend, {"bos_token": "<s>", "add_bos_token": False}).bos_ids == ()
+    backend.post_processor = None
+    tok = save_tokenizer(tmp_path, backend, {"bos_token": "<s>", "add_bos_token": True})
+    assert tok.bos_ids == (tok.token_to_id("<s>"),)
+    assert save_tokenizer(tmp_path, backend, {"bos_token": "<s>"}).bos_ids == ()  # nothing says so: no BOS
+
+
+def test_chat_prompts_get_only_the_templates_bos(tmp_path):
+    from types import SimpleNamespace
+
+    from tfjax.api import LLM
+
+    tok = save_tokenizer(tmp_path, sentencepiece_tokenizer("llama2"), {
+        "bos_token": "<s>", "chat_template": "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}"})
+    bos = tok.token_to_id("<s>")
+    ids = LLM.encode(SimpleNamespace(tokenizer=tok), [{"role": "user", "content": "hello"}])
+    assert ids.count(bos) == 1 and ids[0] == bos
+    assert LLM.encode(SimpleNamespace(tokenizer=tok), "hello")[0] == bos

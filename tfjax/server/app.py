@@ -241,6 +241,8 @@ class Server:
         self.created = protocol.now()
         self.template_knows_tools = "tools" in (getattr(self.tokenizer, "chat_template", None) or "")
         self.max_token_bytes = max_token_bytes(self.tokenizer)
+        # OpenAI's temperature 1 where a request is silent, unless the checkpoint's generation_config.json names one
+        self.default_temperature = getattr(llm, "generation_defaults", {}).get("temperature", 1.0)
 
     # --- reading a request (4xx ApiErrors) -----------------------------------------------------------
     async def _json(self, http: HttpRequest) -> dict:
@@ -297,8 +299,8 @@ class Server:
                                f"{self.max_token_bytes} a token), more than the context of "
                                f"{self.engine.lanes.context} tokens allows; shorten it", "context_length_exceeded",
                                field)
-        # encode_batch releases the GIL while it runs (encode does not), so the event loop keeps answering.
-        return self.tokenizer.backend.encode_batch([prompt], add_special_tokens=False)[0].ids
+        # a raw prompt gets the BOS the tokenizer adds; a chat template writes its own
+        return self.tokenizer.encode(prompt) if field == "messages" else self.tokenizer.encode_prompt(prompt)
 
     def _build(self, params: protocol.Params, streams: list[Stream]) -> list[Request]:
         """One engine request per choice; choice i samples with seed + i, so greedy choices are equal."""
@@ -349,7 +351,7 @@ class Server:
     async def _complete(self, http: HttpRequest, chat: bool) -> Response:
         loop = asyncio.get_running_loop()
         try:
-            params = protocol.parse_completion(await self._json(http), chat)
+            params = protocol.parse_completion(await self._json(http), chat, self.default_temperature)
             model = self._model(params.model)
             events: asyncio.Queue = asyncio.Queue()
             streams = [Stream(loop, self.tokenizer, params.stop, events, i) for i in range(params.n)]

@@ -1,0 +1,193 @@
+"""The `tfjax` command: help, refusals as one line on stderr (exit 2), generate and chat on a tiny model."""
+
+from __future__ import annotations
+
+import inspect
+import io
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from tfjax import api, cli
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `tfjax ARGV` in this process; argparse's refusals exit too."""
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_clear_line(err: str) -> str:
+    """The error line (after any progress bars, which redraw with carriage returns), the only one."""
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip() and "it/s]" not in line and "tensor/s]" not in line]
+    assert len(lines) == 1 and lines[0].startswith("tfjax "), err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random llama with SmolLM2's tokenizer (and chat template)."""
+    from tests.helpers import make_tiny_llama_with_tokenizer
+    from tfjax import packaged
+
+    return make_tiny_llama_with_tokenizer(tmp_path_factory.mktemp("tiny") / "tiny",
+                                          packaged.ensure_converted("smollm2"))
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny):
+    return api.load(tiny, lanes=1, context=256)
+
+
+def test_generate_help_lists_packaged_models_every_flag_and_its_default(capsys):
+    code, out, _ = run(capsys, "generate", "--help")
+    assert code == 0
+    for text in ("smollm2", "qwen2.5-coder-0.5b", "org/name", "--min-p", "--no-draft", "(default: 64)",
+                 "(default: 2048)"):
+        assert text in out, text
+    flags = [a for a in cli.parser()._subparsers._group_actions[0].choices["generate"]._actions if a.option_strings]
+    assert all(a.help for a in flags)
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "two"])
+def test_max_tokens_below_one_is_refused_before_loading(capsys, value):
+    code, _, err = run(capsys, "generate", "no-such-model", "hi", "--max-tokens", value)
+    assert code == 2
+    assert "--max-tokens" in err and "at least 1" in err and "Traceback" not in err
+
+
+def test_top_p_outside_zero_one_is_refused(capsys):
+    code, _, err = run(capsys, "generate", "smollm2", "hi", "--top-p", "1.5")
+    assert code == 2 and "--top-p" in err and "[0, 1]" in err
+
+
+def test_convert_of_a_file_that_is_not_gguf_fails_and_writes_nothing(capsys, tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("# not a model\n")
+    code, out, err = run(capsys, "convert", str(readme), str(tmp_path / "x"))
+    assert code == 2 and out == ""
+    assert "neither a .gguf file nor a checkpoint folder" in one_clear_line(err)
+    assert not (tmp_path / "x").exists()
+
+
+def test_convert_of_a_missing_path_says_so(capsys, tmp_path):
+    code, _, err = run(capsys, "convert", str(tmp_path / "nope.gguf"), str(tmp_path / "x"))
+    assert code == 2 and "does not exist" in one_clear_line(err)
+
+
+def test_unknown_model_name_lists_what_would_work(capsys):
+    code, _, err = run(capsys, "generate", "no-such-model", "hi")
+    line = one_clear_line(err)
+    assert code == 2 and "'no-such-model'" in line and "smollm2" in line and "Hugging Face id" in line
+
+
+def test_folder_without_config_json_is_refused(capsys, tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 16)
+    code, _, err = run(capsys, "generate", str(tmp_path), "hi")
+    assert code == 2 and "has no config.json" in one_clear_line(err)
+
+
+def test_folder_with_broken_safetensors_is_refused(capsys, tmp_path, tiny):
+    (tmp_path / "config.json").write_text((tiny / "config.json").read_text())
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\0\0\0\0\0\0\0{not a header}  " + b"\1" * 64)
+    code, _, err = run(capsys, "generate", str(tmp_path), "hi")
+    line = one_clear_line(err)
+    assert code == 2 and "not a readable safetensors file" in line and "re-download" in line
+
+
+def test_prompt_longer_than_the_context_says_which_option_to_raise(capsys, tiny):
+    code, _, err = run(capsys, "generate", str(tiny), "word " * 300, "--context", "128", "--max-tokens", "8")
+    line = one_clear_line(err)
+    assert code == 2 and "raise --context to at least" in line and "round" not in line
+
+
+def test_generate_streams_the_text_the_api_returns(capsys, monkeypatch, tiny, tiny_llm):
+    monkeypatch.setattr(cli, "_load", lambda args, lanes, width=8: tiny_llm)
+    expected = tiny_llm.generate("Once upon a time", max_tokens=6)
+    code, out, err = run(capsys, "generate", str(tiny), "Once upon a time", "--max-tokens", "6")
+    assert code == 0
+    assert out == "Once upon a time" + expected.text + "\n"
+    assert f"token_sha256={expected.token_sha256}" in err
+
+
+def test_chat_keeps_the_history_streams_replies_and_stops_at_exit(monkeypatch, tiny, tiny_llm):
+    monkeypatch.setattr(cli, "_load", lambda args, lanes, width=8: tiny_llm)
+    seen = []
+    encode = tiny_llm.encode
+
+    def record(prompt):
+        if prompt and isinstance(prompt[0], dict):  # chat messages (not the ids llm.request passes on)
+            seen.append(prompt)
+        return encode(prompt)
+
+    monkeypatch.setattr(tiny_llm, "encode", record)
+    args = cli.parser().parse_args(["chat", str(tiny), "--max-tokens", "4", "--system", "Be brief."])
+    stdout = io.StringIO()
+    assert cli.chat(args, io.StringIO("hello\n\nand again\n/exit\nnever read\n"), stdout) == 0
+    assert [m[-1]["content"] for m in seen] == ["hello", "and again"]
+    first_reply = seen[1][2]
+    assert seen[1][0] == {"role": "system", "content": "Be brief."} and first_reply["role"] == "assistant"
+    assert stdout.getvalue().startswith(first_reply["content"] + "\n")
+    # End of input ends the REPL too; /reset forgets the conversation.
+    seen.clear()
+    assert cli.chat(args, io.StringIO("/reset\nhi"), io.StringIO()) == 0
+    assert seen == [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]]
+
+
+def test_serve_options_are_the_apps_keyword_arguments():
+    args = cli.parser().parse_args(["serve", "smollm2", "--api-key", "k", "--allowed-origins", "http://a", "*",
+                                    "--max-body-mb", "4", "--served-model-name", "a", "b", "--no-draft",
+                                    "--queue", "3", "--max-tokens", "9"])
+    kw = cli.serve_options(args)
+    assert kw == {"name": "a", "queue": 3, "max_tokens": 9, "drafts": False, "api_key": "k",
+                  "allowed_origins": ("http://a", "*"), "max_body_mb": 4, "served_model_names": ("a", "b")}
+    assert cli.serve_options(cli.parser().parse_args(["serve", "m"])) == {"name": "m", "queue": 64, "max_tokens": 256,
+                                                                          "drafts": True}
+    from tfjax.server import create_app
+
+    params = inspect.signature(create_app).parameters
+    assert set(kw) <= set(params)
+
+
+def test_scripts_serve_passes_model_as_the_positional_argument(monkeypatch):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("serve_script", Path(__file__).parents[1] / "scripts" / "serve.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    calls = []
+    monkeypatch.setattr(cli, "main", lambda argv: calls.append(argv) or 0)
+    script.main(["--model", "m", "--parallel", "2"])
+    script.main(["--model=m2"])
+    script.main([])
+    assert calls == [["serve", "m", "--parallel", "2"], ["serve", "m2"], ["serve", "smollm2"]]
+
+
+def test_generation_config_fills_what_a_request_leaves_out(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "do_sample": True, "eos_token_id": 2}))
+    defaults = api.generation_defaults(tmp_path)
+    assert defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    llm = SimpleNamespace(generation_defaults=defaults)
+    assert api.LLM.sampling(llm, temperature=None, top_k=5) == {"temperature": 0.6, "top_k": 5, "top_p": 0.95,
+                                                                "min_p": 0.0}
+    assert api.LLM.sampling(SimpleNamespace(generation_defaults={})) == api.SAMPLING_DEFAULTS
+
+
+def test_compile_cache_lives_under_the_tfjax_cache_unless_named_or_off(monkeypatch, tmp_path):
+    from tfjax import compile_cache
+
+    monkeypatch.delenv("TFJAX_COMPILE_CACHE", raising=False)
+    monkeypatch.setenv("TFJAX_CACHE", str(tmp_path))
+    assert compile_cache.folder() == tmp_path / "jax"
+    monkeypatch.setenv("TFJAX_COMPILE_CACHE", str(tmp_path / "elsewhere"))
+    assert compile_cache.folder() == tmp_path / "elsewhere"
+    monkeypatch.setenv("TFJAX_COMPILE_CACHE", "off")
+    assert compile_cache.folder() is None and compile_cache.enable() is None

@@ -1,7 +1,7 @@
 """Aggregate tok/s of the engine on the tiny random model, where the host's per-round work weighs most.
 
-  python3 scripts/bench_engine_overlap.py [REPO]   # REPO: the checkout to import tfjax from (A/B two trees)
-  python3 scripts/bench_engine_overlap.py [REPO] --profile   # cProfile of three runs: where the host's time goes
+  python3 scripts/probes/bench_engine_overlap.py [REPO]   # REPO: the checkout to import tfjax from (A/B two trees)
+  python3 scripts/probes/bench_engine_overlap.py [REPO] --profile   # cProfile of three runs: where the host's time goes
 
 Four lanes, width 5, four 30-token prompts decoding 96 tokens each; one warm-up run, then the median of
 five timed runs of `Engine.run`.

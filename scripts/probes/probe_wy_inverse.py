@@ -1,6 +1,6 @@
 """How far two ways of inverting the chunked DeltaNet's triangle (I - A) drift, in float32, from float64's solve.
 
-  python3 scripts/probe_wy_inverse.py
+  python3 scripts/probes/probe_wy_inverse.py
 
 A = -(beta k k^T) * decay strictly below the diagonal for one 64-row chunk of unit keys; near-equal keys (a
 repeated token) with beta near 1 and little decay are the hard case. The series multiplies out

@@ -2,7 +2,7 @@
 dense27's attention shape, per context and rows, for each candidate BlockSizes (by default the kernel combine
 against XLA's).
 
-  PYTHONPATH=. python3 scripts/profile_attention.py [--contexts 2048,16384,65536] [--rows 1,8] [--sets 4]
+  PYTHONPATH=. python3 scripts/probes/profile_attention.py [--contexts 2048,16384,65536] [--rows 1,8] [--sets 4]
       [--span 65536] [--cands "[dict(), dict(combine='xla'), dict(interleave=True)]"]
 
 `--sets` KV pools a call (4 of 16k and up overflow the H100's 50 MB L2; at 2k they fit in it, so the timing
@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import argparse
 import functools
-import sys
 import tempfile
 from collections import defaultdict
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 def kernels_per_call(fn, sets, q, pos, calls: int = 3) -> dict[str, tuple[float, float]]:
     """{kernel name: (launches, device us) per attention call} from a profiler trace of `calls` jitted calls."""
     import jax
-    from profile_round import latest_events
+
+    from tfjax.profiling import latest_events
 
     f = jax.jit(lambda sets: [fn(q, *s, pos) for s in sets])
     jax.block_until_ready(f(sets))

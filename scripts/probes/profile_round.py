@@ -1,10 +1,10 @@
 """Where a lane round's time goes: device kernels per round, from a JAX profiler trace of real decoding.
 
-  PYTHONPATH=. python3 scripts/profile_round.py --model /root/smollm2 --tokens 64
-  PYTHONPATH=. python3 scripts/profile_round.py --model /root/smollm2 --drafter DIR --tokens 64
-  PYTHONPATH=. python3 scripts/profile_round.py --model smollm2 --structure   # kernels and loops, no GPU needed
-  PYTHONPATH=. python3 scripts/profile_round.py --structure --geometry dense27 --layers 8
-  PYTHONPATH=. python3 scripts/profile_round.py --launches --geometry dense27 --layers 8 [--hlo-out F]  # compiled
+  PYTHONPATH=. python3 scripts/probes/profile_round.py --model /root/smollm2 --tokens 64
+  PYTHONPATH=. python3 scripts/probes/profile_round.py --model /root/smollm2 --drafter DIR --tokens 64
+  TFJAX_KERNELS=kernel PYTHONPATH=. python3 scripts/probes/profile_round.py --model smollm2 --structure  # no GPU needed
+  PYTHONPATH=. python3 scripts/probes/profile_round.py --structure --geometry dense27 --layers 8
+  PYTHONPATH=. python3 scripts/probes/profile_round.py --launches --geometry dense27 --layers 8 [--hlo-out F]  # compiled
 
 Decodes one request (one lane, `ignore_eos`) under `jax.profiler.trace`, then reads the Perfetto trace and
 prints the device kernels by time per round: how many launches a round makes, how long the device is busy
@@ -14,84 +14,26 @@ against the round's wall time (a launch-bound round is mostly idle device), and 
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import time
-from collections import defaultdict
 from pathlib import Path
+
+from tfjax.profiling import compiled_launches, latest_events, structure, summarize
 
 PROMPT = ("Original:\ndef scale(values, k):\n    out = []\n    for v in values:\n        out.append(v * k)\n"
           "    return out\n\nThe same function with `out` renamed to `scaled`:\ndef scale(values, k):\n")
-
-
-def device_events(trace: dict) -> list[dict]:
-    """Complete events ("X") on GPU tracks; none for a CPU run (its host track nests Python frames)."""
-    names = {e["pid"]: e["args"]["name"] for e in trace.get("traceEvents", [])
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    pids = {pid for pid, n in names.items() if "gpu" in n.lower()}
-    return [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("pid") in pids and "dur" in e]
-
-
-def latest_events(folder: Path) -> list[dict]:
-    """Device events of the newest Perfetto trace `jax.profiler.trace` wrote under `folder`."""
-    path = max(folder.rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
-    return device_events(json.loads(gzip.decompress(path.read_bytes())))
-
-
-def summarize(events: list[dict], rounds: float, wall_s: float, top: int = 25) -> str:
-    """A table of kernels by total time: launches and microseconds per round."""
-    total = defaultdict(float)
-    count = defaultdict(int)
-    for e in events:
-        total[e["name"]] += float(e["dur"])
-        count[e["name"]] += 1
-    busy = sum(total.values())
-    lines = [f"{rounds:.0f} rounds, {wall_s / rounds * 1e3:.2f} ms wall a round; device busy "
-             f"{busy / rounds / 1e3:.2f} ms a round ({busy / 1e6 / wall_s:.0%}); {sum(count.values()) / rounds:.0f} "
-             f"kernels a round", "| kernel | per round | us per round | share |", "|---|---|---|---|"]
-    for name, us in sorted(total.items(), key=lambda kv: -kv[1])[:top]:
-        lines.append(f"| {name[:90]} | {count[name] / rounds:.1f} | {us / rounds:.1f} | {us / busy:.1%} |")
-    return "\n".join(lines)
-
-
-KERNEL_PRIMITIVES = ("pallas_call", "mpmd_map")  # a Pallas kernel: Triton's, or Mosaic GPU's `plgpu.kernel`
-
-
-def structure(jaxpr) -> dict:
-    """What a traced round launches, before XLA fuses it: Pallas kernels, loops (each iteration relaunches
-    its body), and kernels inside loops; a kernel's own body is not walked."""
-    out = {"pallas_call": 0, "loops": 0, "pallas_call_in_loops": 0, "ops": 0}
-
-    def walk(j, in_loop):
-        for e in j.eqns:
-            name = e.primitive.name
-            out["ops"] += 1
-            if name in KERNEL_PRIMITIVES:
-                out["pallas_call_in_loops" if in_loop else "pallas_call"] += 1
-                continue
-            loop = name in ("while", "scan")
-            out["loops"] += loop
-            for v in e.params.values():
-                for sub in v if isinstance(v, (list, tuple)) else [v]:
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        walk(inner, in_loop or loop)
-
-    walk(getattr(jaxpr, "jaxpr", jaxpr), False)
-    return out
 
 
 def geometry_step(name: str, layers: int):
     """One row-mode decode step of a named geometry (random 4-bit weights, its first `layers`): (step, args)."""
     import jax.numpy as jnp
 
-    from tfjax import geometry, models
+    from tfjax import geometry, models, ops
     from tfjax.config import QuantConfig
     from tfjax.models.layers import ROWS, serving_layout
 
     c = geometry.named(name).replace(quantization=QuantConfig(4, 64))
     c = c.replace(num_hidden_layers=layers, layer_types=c.layer_types[:layers])
-    model = models.build(c, seed=0)
+    model = models.build(c, seed=0, kernels=ops.PALLAS)  # the GPU dispatch (tracing needs no GPU)
     serving_layout(model)
     gd, ps = models.split(model)
     cache = model.init_cache(1, 2048 + 64)
@@ -108,31 +50,6 @@ def geometry_step_structure(name: str, layers: int) -> dict:
 
     step, args = geometry_step(name, layers)
     return structure(jax.make_jaxpr(step)(*args))
-
-
-FREE_OPS = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "opt-barrier"}
-
-
-def compiled_launches(hlo: str) -> dict:
-    """What the entry computation of an optimized HLO module launches: every instruction but the free ones
-    (parameters, tuples, bitcasts, constants) is a kernel or a library call on the GPU. Returns the count, the
-    count by kind (opcode, with a fusion's kind or a custom call's target) and the names in order: the profiler's
-    kernel names, with "." where the profiler writes "_"."""
-    import re
-    from collections import Counter
-
-    entry = hlo[hlo.index("\nENTRY "):]
-    body = entry[entry.index("{") + 1 : entry.index("\n}")]
-    kinds, names = Counter(), []
-    for line in body.splitlines():
-        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = .*? ([a-z][\w\-]*)\(", line)
-        if not m or m.group(2) in FREE_OPS:
-            continue
-        op = m.group(2)
-        detail = re.search(r"kind=(k\w+)", line) if op == "fusion" else re.search(r'custom_call_target="([^"]+)"', line)
-        kinds[f"{op} {detail.group(1)}" if detail else op] += 1
-        names.append(m.group(1))
-    return {"launches": len(names), "kinds": dict(kinds.most_common()), "names": names}
 
 
 def print_launches(args) -> None:
@@ -156,10 +73,11 @@ def print_structure(args) -> None:
     from tfjax import api, ops
     from tfjax.lanes import round as lane_round
 
-    ops.set_kernels("kernel")
     if args.geometry:
         print(f"{args.geometry}, {args.layers} layers, one decode step: {geometry_step_structure(args.geometry, args.layers)}")
         return
+    if not ops.Kernels.default().pallas:
+        raise SystemExit("--structure --model traces the GPU dispatch: run with TFJAX_KERNELS=kernel (or on a GPU)")
     llm = api.load(args.model, lanes=1, drafter=args.drafter,
                    **({"copy_match": args.copy_match} if args.copy_match else {"copies": False}))
     r = llm.engine.runner

@@ -97,3 +97,28 @@ def test_partials_of_a_mosaic_linear_summed_by_the_norm_give_the_unfused_residua
     want_nx = x + lin(h, rows=True)
     np.testing.assert_array_equal(np.asarray(nx, np.float32), np.asarray(want_nx, np.float32))
     assert rel_err(y, norm(want_nx, rows=True)) < 1e-2 and len(calls["norm"]) == 2
+
+
+def test_a_models_kernels_are_in_its_graphdef_so_a_change_recompiles():
+    from tfjax import geometry, models
+
+    model = models.build(geometry.tiny_dense, seed=0, kernels=ops.REFERENCE)
+    a, _ = models.split(model)
+    model.kernels = ops.Kernels(pallas=False, delta_chunked=True)
+    b, _ = models.split(model)
+    model.kernels = ops.REFERENCE
+    c, _ = models.split(model)
+    assert a != b and a == c and hash(a) == hash(c)
+
+
+def test_a_forward_traces_with_its_models_kernels_whatever_is_active_around_it():
+    from tfjax import geometry, models
+    from tfjax.models.layers import ROWS
+
+    model = models.build(geometry.tiny_dense, seed=0, kernels=ops.REFERENCE)
+    cache = model.init_cache(1, 32)
+    tokens = jnp.asarray([[3, 5]], jnp.int32)
+    with ops.using(ops.PALLAS):
+        jaxpr = jax.make_jaxpr(lambda t: model(t, jnp.array([0]), jnp.array([2]), cache, ROWS)[0])(tokens)
+    assert "pallas_call" not in str(jaxpr)
+    assert ops.active() == ops.Kernels.default()  # the scope ended with the trace

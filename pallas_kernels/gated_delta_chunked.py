@@ -1,7 +1,7 @@
 """Pallas GPU (Triton) Gated DeltaNet for prompts: the chunked (WY / UT-transform) form in one or two launches.
 
 Shapes: ``state [B, Hv, Dk, Dv]`` f32, ``q, k [B, T, Hv, Dk]`` (q scaled, both L2-normalised), ``v [B, T, Hv, Dv]``,
-``g, beta [B, T, Hv]``: the inputs of `tfjax.models.gated_delta.chunked`, which is this kernel's reference. Rows a
+``g, beta [B, T, Hv]``: the inputs of `reference` (XLA's scan over chunks, below), this kernel's reference. Rows a
 prompt does not fill come in as zeros (g = beta = 0), which leave the state alone.
 
 Per chunk of C rows (XLA's form is a `scan` over chunks whose every trip is several batched launches):
@@ -154,7 +154,7 @@ def _check(state, q, k, v, g, beta, bs: BlockSizes):
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
 def chunked(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
             block_sizes: BlockSizes | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """(new state [B, Hv, Dk, Dv] f32, out [B, T, Hv, Dv] f32): `tfjax.models.gated_delta.chunked` in two launches
+    """(new state [B, Hv, Dk, Dv] f32, out [B, T, Hv, Dv] f32): `reference` in two launches
     (`split`) or one."""
     bs = block_sizes or BlockSizes()
     _check(state, q, k, v, g, beta, bs)

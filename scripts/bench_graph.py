@@ -818,7 +818,7 @@ def override_pairs_policy(kw: dict) -> None:
 
 
 def profile_steps(step, ps, token, cache, pos, what, count=5):
-    """Run `count` more steps under the profiler and print their kernels per step (scripts/profile_round.py)."""
+    """Run `count` more steps under the profiler and print their kernels per step (tfjax.profiling)."""
     import jax
     import jax.numpy as jnp
     from profile_round import latest_events, summarize

@@ -1,4 +1,4 @@
-"""scripts/profile_round.py reads device kernels out of a Perfetto trace and sums them per round."""
+"""`tfjax.profiling` reads device kernels out of a Perfetto trace and sums them per round; traced and compiled launch counts."""
 
 from __future__ import annotations
 

@@ -171,7 +171,10 @@ def _check_blocks(bs: BlockSizes):
 def recurrent(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
               count: jax.Array | None = None, *, block_sizes: BlockSizes | None = None,
               interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """(new state [B, Hv, Dk, Dv] f32, out [B, T, Hv, Dv] f32); with `count`, each lane's first count rows."""
+    """(new state [B, Hv, Dk, Dv] f32, out [B, T, Hv, Dv] f32); with `count`, each lane's first count rows.
+
+    Served lane rounds take `recurrent_qkv` (the fused form won); this form serves callers holding split q, k, v
+    (`ops.recurrent`; the chunked kernel shares its checks) and is a candidate for deletion."""
     check_rows(state, q, k, v, g, beta, count)
     bs = block_sizes or BlockSizes()
     _check_blocks(bs)

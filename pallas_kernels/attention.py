@@ -30,6 +30,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import fenced
+
 NEG = -1e30  # finite "minus infinity" for the running max, so dead rows never compute inf - inf
 
 
@@ -49,9 +51,6 @@ class BlockSizes:
     # rows or the lanes in a call, so row invariance holds: short contexts get many small chunks to fill the GPU.
     # 264 won the H200 sweep at 2k/16k/64k (2k decode 77 -> 35 us, 64k 251 -> 198 us); 0 keeps chunk_k
     chunk_programs: int = 264
-    # timing probes (wrong results): "loads" reads every key tile as the kernel does, no dots or softmax; "contig"
-    # reads a tile's pages as one slice from the chunk's first page on, the page table unread
-    probe: str = ""
 
     def chunk_for(self, span: int, kv_heads: int) -> int:
         """Keys per program for a lane span of `span` keys."""
@@ -76,7 +75,7 @@ DEFAULT = BlockSizes()  # what a call without block_sizes takes (benchmarks A/B 
 
 
 def _paged_kernel(q_ref, pos_ref, pt_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, page, block_k, chunk_k, scale,
-                  blocks, probe):
+                  blocks):
     # q_ref [blocks * bq, E]; pos_ref [blocks * bq] i32 (-1 marks a padding row); pt_ref [n_pad] i32;
     # k_ref, v_ref [P, page, E]; o_ref [blocks * bq, E] f32 (unnormalised); m_ref, l_ref [blocks * bq] f32
     e = q_ref.shape[1]
@@ -103,16 +102,12 @@ def _paged_kernel(q_ref, pos_ref, pt_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, 
 
     def body(i, carry):
         k0 = start + i * block_k
-        # the tile's pages (probe "contig": pages k0 // page on, a slice, as if the table were the identity)
-        pids = pl.ds(k0 // page, per_tile) if probe == "contig" else pt_ref[pl.ds(k0 // page, per_tile)]
+        pids = pt_ref[pl.ds(k0 // page, per_tile)]  # the tile's pages
         keys = k0 + jnp.arange(block_k)
         k = k_ref[pids].reshape(block_k, e)
         # keys past every row hold whatever their pages hold (a lane's unallocated tail): never let a NaN
         # there reach a row through 0 * NaN in the p @ v product (a row's p is 0 past its position: 0 * v = 0)
         v = jnp.where((keys <= last)[:, None], v_ref[pids].reshape(block_k, e), 0)
-        if probe == "loads":  # the tile's reads kept alive by a column sum, nothing else
-            kv = jnp.sum(k.astype(jnp.float32) + v.astype(jnp.float32), axis=0)
-            return tuple((acc + kv[None, :], m, l) for acc, m, l in carry)
         return tuple(update(q_ref[r, :], pos_ref[r], k, v, k0, keys, c) for r, c in zip(rows, carry, strict=True))
 
     init = (jnp.zeros((bq, e), jnp.float32), jnp.full((bq,), NEG, jnp.float32), jnp.zeros((bq,), jnp.float32))
@@ -162,8 +157,6 @@ def _check(q, k_pages, v_pages, page_table, positions, bs: BlockSizes):
             raise ValueError(f"{name}={v} must be a power of 2 >= 16")
     if bs.q_blocks < 1:
         raise ValueError(f"q_blocks={bs.q_blocks} must be >= 1")
-    if bs.probe not in ("", "loads", "contig"):
-        raise ValueError(f"unknown probe {bs.probe!r}")
     if bs.block_k % page or bs.chunk_k % bs.block_k:
         raise ValueError(f"block_k={bs.block_k} must be a multiple of {page=}, chunk_k={bs.chunk_k} of block_k")
 
@@ -198,7 +191,7 @@ def paged_attention(
     qb = rows_pad // group
     p_total = k_pages.shape[0]
     kernel = functools.partial(_paged_kernel, page=page, block_k=bs.block_k, chunk_k=chunk_k, scale=e**-0.5,
-                               blocks=blocks, probe=bs.probe)
+                               blocks=blocks)
     o, m, l = pl.pallas_call(
         kernel,
         grid=(qb, chunks, g, b),  # query groups fastest: they share a chunk's keys in L2
@@ -252,9 +245,51 @@ def combine(o, m, l, rows: int, shape, dtype) -> jax.Array:
     return out.astype(dtype)
 
 
-def reference(q, k_pages, v_pages, page_table, positions) -> jax.Array:
-    """Plain jax.numpy: gather the lane's pages, then `tfjax.models.layers.attention_reference`."""
-    from tfjax.models import layers
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVPages:
+    """One attention layer's paged KV pool: k, v [P, page, G, E]; lanes map positions via a page table."""
 
-    k, v = layers.gather_pages(layers.KVPages(k_pages, v_pages), page_table)
-    return layers.attention_reference(q, k, v, positions)
+    k: jax.Array
+    v: jax.Array
+
+
+def gather_pages(pages: KVPages, page_table: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A lane's keys and values in position order: [B, S, G, E] with S = n * page."""
+    b, n = page_table.shape
+    k = pages.k[page_table].reshape(b, -1, *pages.k.shape[2:])
+    v = pages.v[page_table].reshape(b, -1, *pages.v.shape[2:])
+    return k, v
+
+
+def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, rows: bool = False, *,
+                        gpu: bool = False) -> jax.Array:
+    """Causal GQA attention of q [B, T, H, E] over k, v [B, S, G, E]; key s is seen by a row at p iff s <= p.
+
+    With `rows`, each lane's each query row is computed on its own (fixed shapes, a fenced loop: `gpu` says
+    which, `fenced.fenced_map`), so its result never depends on T or on the other lanes.
+    """
+    if rows:
+        def lane(xs):  # q [T, H, E], k, v [S, G, E], positions [T]
+            qb, kb, vb, pb = xs
+            return fenced.fenced_map(lambda r: attention_reference(r[0][None, None], kb[None], vb[None],
+                                                                   r[1][None, None])[0, 0], (qb, pb), gpu=gpu)
+
+        return fenced.fenced_map(lane, (q, k, v, positions), gpu=gpu)
+    b, t, h, e = q.shape
+    g = k.shape[2]
+    qg = q.reshape(b, t, g, h // g, e)
+    s = jnp.einsum("btgre,bsge->bgrts", qg, k.astype(q.dtype), preferred_element_type=jnp.float32)
+    s = s * (e**-0.5)
+    keys = jnp.arange(k.shape[1])
+    mask = keys[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    s = jnp.where(mask[:, None, None], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bgrts,bsge->btgre", p.astype(q.dtype), v.astype(q.dtype), preferred_element_type=jnp.float32)
+    return o.reshape(b, t, h, e).astype(q.dtype)
+
+
+def reference(q, k_pages, v_pages, page_table, positions) -> jax.Array:
+    """Plain jax.numpy: gather the lane's pages, then `attention_reference`."""
+    k, v = gather_pages(KVPages(k_pages, v_pages), page_table)
+    return attention_reference(q, k, v, positions)

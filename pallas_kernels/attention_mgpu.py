@@ -30,7 +30,7 @@ static P), a row's scores and softmax state use only its own q and the keys (an 
 a row's position is an exact no-op on its state: its scores are -inf, so p = 0, alpha = exp(m - m) = 1, acc * 1 + 0
 and l * 1 + 0 keep their bits. Partials whose first key is past a row are never read by the combine:
 `attention_combine` (one Triton launch writing [B, T, H, E]; 2.7-6 us a call faster than XLA's three fusions on the
-H100, twelfth run), or with `combine="xla"` the Triton kernel's `attention.combine`.
+H100, twelfth run, which were deleted).
 
 GPU interpret mode (CPU tests) runs the same pipeline, barriers and TMA copies; its two products are plain dots
 (the interpreter has no register-operand MMA), so the CPU checks the schedule and the masking, the GPU tests the
@@ -67,14 +67,10 @@ class BlockSizes:
     # the programs over the KV heads (264 and 66 lost to 132 too, thirteenth run)
     chunk_programs: int = 132
     chunk_k: int = 0  # keys a chunk fixed whatever the span (a multiple of block_k) instead of the policy; 0: policy
-    # the partials' combine: "kernel" (attention_combine, one launch) or "xla" (attention.combine, three fusions;
-    # H100 twelfth run: 5 us at one row, 8 at 8 rows)
-    combine: str = "kernel"
     # fixed chunks (chunk_k keys, block_k when 0) dealt round-robin to programs (a KV head's share of chunk_programs
     # rounded down to a power of two), each program's chunks one softmax state: a short context in a wide span keeps
-    # every SM busy (on in the dispatch, `tfjax.models.layers.mosaic_attention_blocks`; off here, the span policy)
+    # every SM busy (on in the dispatch, `tfjax.ops.MOSAIC_ATTENTION_BLOCKS`; off here, the span policy)
     interleave: bool = False
-    probe: str = ""  # timing probe (wrong results): "loads" moves every tile by TMA, no dots or softmax
 
     def chunk_for(self, span: int, kv_heads: int) -> int:
         """Keys per program for a lane span of `span` keys (from the span and the KV heads, never the rows)."""
@@ -199,12 +195,6 @@ def _kernel(q_gmem, pos_gmem, last_gmem, pt_gmem, k_gmem, v_gmem, o_gmem, m_gmem
             slot = lax.rem(u, stages)
             k0 = (c + (u // tpc) * programs) * chunk_k + lax.rem(u, tpc) * bk  # tile u: its chunk, its place there
             plgpu.barrier_wait(k_bars.at[slot])
-            if bs.probe == "loads":
-                plgpu.barrier_wait(v_bars.at[slot])
-                refill(u, issue_k)
-                refill(u, issue_v)
-                return acc, m, l
-
             s = scores(slot) * scale
             refill(u, issue_k)  # K's slot is free once S is: its next tile loads under the softmax and P V
             s = jnp.where(k0 + iota((BLOCK_Q, bk), 1) <= lax.broadcast_in_dim(pos, (BLOCK_Q, bk), (0,)), s,
@@ -311,9 +301,8 @@ def _check(q, k_pages, v_pages, page_table, positions, bs: BlockSizes):
         raise ValueError(f"block_k={bs.block_k} must be a multiple of 64 and of {page=}, a multiple of 8")
     if bs.chunk_k % bs.block_k:
         raise ValueError(f"chunk_k={bs.chunk_k} must be a multiple of block_k={bs.block_k}")
-    if bs.stages < 1 or bs.chunk_programs < 1 or bs.probe not in ("", "loads") or bs.combine not in ("kernel", "xla"):
-        raise ValueError(f"stages={bs.stages} and chunk_programs={bs.chunk_programs} must be >= 1, probe "
-                         f"{bs.probe!r} one of '', 'loads', combine {bs.combine!r} 'kernel' or 'xla'")
+    if bs.stages < 1 or bs.chunk_programs < 1:
+        raise ValueError(f"stages={bs.stages} and chunk_programs={bs.chunk_programs} must be >= 1")
     ids = plan(page_table.shape[1], page, k_pages.shape[2], bs).ids
     if (need := smem_bytes(q.shape[-1], ids, bs)) > SMEM_BYTES:
         raise ValueError(f"stages={bs.stages} of block_k={bs.block_k} at head dim {q.shape[-1]} with {ids} page ids "
@@ -336,9 +325,6 @@ def paged_attention(
     o, m, l, pos, chunk_k, parts = _partials(q, k_pages, v_pages, page_table, positions, bs, interpret)
     t, h = q.shape[1:3]
     g = k_pages.shape[2]
-    if bs.combine == "xla":
-        return triton_attention.combine(o[:, :, :parts], m[:, :, :parts, : o.shape[3]],
-                                        l[:, :, :parts, : o.shape[3]], t * (h // g), q.shape, q.dtype)
     return attention_combine.combine(o, m, l, pos, chunks=parts, chunk_k=chunk_k, t=t, heads=h // g, dtype=q.dtype,
                                      interpret=interpret)
 

@@ -7,7 +7,9 @@ row's block of channels with the same code whatever M is: row-invariant by const
 are read in power-of-two pieces of at most 2048 (Triton blocks are powers of two; 10240 = 5 x 2048).
 `conv_silu_window` is the lane-round form: it reads the conv tail and the new rows where they lie (no stacked
 taps), takes the weight as the model holds it, and writes the lane's next tail: one launch where the decode
-step had five (the tail's copy and gather, the taps' stack, the weight's transpose, the conv).
+step had five (the tail's copy and gather, the taps' stack, the weight's transpose, the conv). Served lane rounds
+take `conv_silu_window` (it won); `conv_silu` serves callers holding stacked taps (`ops.conv_silu`) and is a
+candidate for deletion.
 """
 
 from __future__ import annotations

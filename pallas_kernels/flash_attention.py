@@ -26,6 +26,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.attention import attention_reference
+
 HEAD_DIMS = (64, 128, 256)
 NEG = -1e30  # finite start for the running max: a fully masked tile gives exp2(-inf - NEG) = 0, never NaN
 LOG2E = math.log2(math.e)
@@ -145,7 +147,5 @@ def flash_attention(
 
 
 def reference(q, k, v, positions) -> jax.Array:
-    """Plain jax.numpy: `tfjax.models.layers.attention_reference` (softmax over keys s <= position)."""
-    from tfjax.models import layers
-
-    return layers.attention_reference(q, k, v, positions)
+    """Plain jax.numpy: `attention.attention_reference` (softmax over keys s <= position)."""
+    return attention_reference(q, k, v, positions)

@@ -2,7 +2,7 @@
 
 Shapes: ``state [B, Hv, Dk, Dv]`` f32, ``q, k [B, T, Hv, Dk]``, ``v [B, T, Hv, Dv]``, ``g, beta [B, T, Hv]``,
 ``count [B]`` (rows that update each lane's state; replay after acceptance). One step per row, as
-`tfjax.models.gated_delta.step`: S <- S * exp(g); S <- S + k (x) beta * (v - k.S); o = q.S.
+`step`: S <- S * exp(g); S <- S + k (x) beta * (v - k.S); o = q.S.
 
 Grid: (value head, value block, lane). The columns of S evolve independently (column j only needs k, beta,
 g and v_j), so a program keeps a [Dk, block_v] slice of one head's state in registers for all T rows: the
@@ -25,6 +25,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import fenced
+from pallas_kernels import row_norm as rn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,9 +140,7 @@ def recurrent_qkv(state: jax.Array, qkv: jax.Array, g: jax.Array, beta: jax.Arra
 
 
 def qkv_reference(state, qkv, g, beta, count=None, *, key_heads: int, eps: float = 1e-6, out_dtype=jnp.float32):
-    """`recurrent_qkv` in plain jax.numpy: the model's `split_qkv`, then `reference`."""
-    from tfjax.models.gated_delta import split_qkv
-
+    """`recurrent_qkv` in plain jax.numpy: `split_qkv`, then `reference`."""
     q, k, v = split_qkv(qkv, key_heads, state.shape[2], state.shape[1], eps=eps)
     new_state, out = reference(state, q, k, v, g, beta, count)
     return new_state, out.astype(out_dtype)
@@ -170,7 +171,10 @@ def _check_blocks(bs: BlockSizes):
 def recurrent(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
               count: jax.Array | None = None, *, block_sizes: BlockSizes | None = None,
               interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """(new state [B, Hv, Dk, Dv] f32, out [B, T, Hv, Dv] f32); with `count`, each lane's first count rows."""
+    """(new state [B, Hv, Dk, Dv] f32, out [B, T, Hv, Dv] f32); with `count`, each lane's first count rows.
+
+    Served lane rounds take `recurrent_qkv` (the fused form won); this form serves callers holding split q, k, v
+    (`ops.recurrent`; the chunked kernel shares its checks) and is a candidate for deletion."""
     check_rows(state, q, k, v, g, beta, count)
     bs = block_sizes or BlockSizes()
     _check_blocks(bs)
@@ -192,12 +196,75 @@ def recurrent(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax
 
 
 def reference(state, q, k, v, g, beta, count=None) -> tuple[jax.Array, jax.Array]:
-    """Plain jax.numpy: `tfjax.models.gated_delta.recurrent_reference` (the same step, row by row).
+    """Plain jax.numpy: `recurrent_reference` (the same step, row by row).
 
     Rows at or past a lane's count: the state is untouched and the output is zero, as in the kernel."""
-    from tfjax.models import gated_delta
-
-    new_state, out = gated_delta.recurrent_reference(state, q, k, v, g, beta, count)
+    new_state, out = recurrent_reference(state, q, k, v, g, beta, count)
     t = q.shape[1]
     n = jnp.full((q.shape[0],), t, jnp.int32) if count is None else count
     return new_state, jnp.where((jnp.arange(t)[None, :] < n[:, None])[..., None, None], out, 0.0)
+
+
+# --- The recurrence in plain jax.numpy (what the model runs off the GPU, and replay's arithmetic) ---
+# State S [B, Hv, Dk, Dv] is f32. One step at a token with q, k [B, Hv, Dk], v [B, Hv, Dv], g, beta [B, Hv]:
+# S <- S * exp(g); S <- S + k (x) beta * (v - k.S); o = q.S. Plain decoding, verify rows and replay all use
+# `step`, so a row's output never depends on how many rows were verified with it.
+
+
+def step(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array,
+         beta: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One recurrent step; returns (new state, output [B, Hv, Dv])."""
+    state = state * jnp.exp(g)[..., None, None]
+    kv_mem = jnp.sum(state * k[..., :, None], axis=-2)  # [B, Hv, Dv]
+    delta = (v - kv_mem) * beta[..., None]
+    state = state + k[..., :, None] * delta[..., None, :]
+    out = jnp.sum(state * q[..., :, None], axis=-2)
+    return state, out
+
+
+def split_qkv(qkv: jax.Array, key_heads: int, dk: int, hv: int, *, eps: float = 1e-6, l2_norm=None):
+    """The step inputs from the conv output qkv [B, T, 2 Hk Dk + Hv Dv]: q, k L2-normalised (by `l2_norm(a, eps)`,
+    default the plain `row_norm.reference`; q scaled by Dk^-1/2) and repeated to the value heads, v; all f32
+    [B, T, Hv, D]."""
+    norm = l2_norm or (lambda a, eps: rn.reference(a, kind="l2", eps=eps))
+    b, t, _ = qkv.shape
+    kd = key_heads * dk
+    q = qkv[..., :kd].reshape(b, t, key_heads, dk).astype(jnp.float32)
+    k = qkv[..., kd : 2 * kd].reshape(b, t, key_heads, dk).astype(jnp.float32)
+    v = qkv[..., 2 * kd :].reshape(b, t, hv, -1).astype(jnp.float32)
+    rep = hv // key_heads
+    q = jnp.repeat(norm(q, eps), rep, axis=2) * (dk**-0.5)
+    k = jnp.repeat(norm(k, eps), rep, axis=2)
+    return q, k, v
+
+
+def recurrent_reference(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
+                        count: jax.Array | None = None, *, gpu: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Scan `step` over rows (axis 1 of q, k, v [B, T, Hv, D] and g, beta [B, T, Hv]).
+
+    With `count` [B], only each lane's first count rows update the state (replay after acceptance).
+    Lanes run one at a time (fixed shapes, `fenced.fenced_map`), so a lane's arithmetic never depends on how many
+    share the call.
+    """
+    b, t = q.shape[:2]
+    n = jnp.full((b,), t, jnp.int32) if count is None else count
+    return fenced.fenced_map(lambda xs: _lane_recurrent(*xs, gpu=gpu), (state, q, k, v, g, beta, n), gpu=gpu)
+
+
+def _lane_recurrent(state, q, k, v, g, beta, count, *, gpu: bool):
+    """One lane: `step` over its first `count` rows; on the CPU a loop XLA cannot inline."""
+    t = q.shape[0]
+    if gpu and t == 1:  # never a one-trip loop (XLA would inline and fuse it; see `fenced`)
+        state, out = _lane_recurrent(state, *(jnp.concatenate([a, a]) for a in (q, k, v, g, beta)),
+                                     jnp.minimum(count, 1), gpu=gpu)
+        return state, out[:1]
+
+    def body(i, carry):
+        s, out = carry
+        s_new, o = step(s[None], *(jax.lax.dynamic_index_in_dim(a, i, keepdims=True) for a in (q, k, v, g, beta)))
+        s = jnp.where(i < count, s_new[0], s)
+        return s, jax.lax.dynamic_update_index_in_dim(out, o[0], i, 0)
+
+    out = jnp.zeros((t, *v.shape[1:]), jnp.float32)
+    trips = t if gpu else jnp.minimum(fenced.opaque_count(count, gpu=False), t)
+    return jax.lax.fori_loop(0, trips, body, (state, out))

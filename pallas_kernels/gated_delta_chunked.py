@@ -1,7 +1,7 @@
 """Pallas GPU (Triton) Gated DeltaNet for prompts: the chunked (WY / UT-transform) form in one or two launches.
 
 Shapes: ``state [B, Hv, Dk, Dv]`` f32, ``q, k [B, T, Hv, Dk]`` (q scaled, both L2-normalised), ``v [B, T, Hv, Dv]``,
-``g, beta [B, T, Hv]``: the inputs of `tfjax.models.gated_delta.chunked`, which is this kernel's reference. Rows a
+``g, beta [B, T, Hv]``: the inputs of `reference` (XLA's scan over chunks, below), this kernel's reference. Rows a
 prompt does not fill come in as zeros (g = beta = 0), which leave the state alone.
 
 Per chunk of C rows (XLA's form is a `scan` over chunks whose every trip is several batched launches):
@@ -154,7 +154,7 @@ def _check(state, q, k, v, g, beta, bs: BlockSizes):
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
 def chunked(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
             block_sizes: BlockSizes | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """(new state [B, Hv, Dk, Dv] f32, out [B, T, Hv, Dv] f32): `tfjax.models.gated_delta.chunked` in two launches
+    """(new state [B, Hv, Dk, Dv] f32, out [B, T, Hv, Dv] f32): `reference` in two launches
     (`split`) or one."""
     bs = block_sizes or BlockSizes()
     _check(state, q, k, v, g, beta, bs)
@@ -205,8 +205,45 @@ def chunked(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.A
     return new_state, out[:, :t]
 
 
-def reference(state, q, k, v, g, beta, chunk: int = 64) -> tuple[jax.Array, jax.Array]:
-    """Plain jax.numpy: `tfjax.models.gated_delta.chunked` (XLA's scan over chunks)."""
-    from tfjax.models import gated_delta
+def reference(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
+                      chunk: int = 64) -> tuple[jax.Array, jax.Array]:
+    """The chunked (WY / UT-transform) form for prompts; equals `gated_delta.recurrent_reference` up to rounding."""
+    b, t, h, dk = k.shape
+    dv = v.shape[-1]
+    pad = (-t) % chunk
+    if pad:
+        q, k, v = (jnp.pad(a, ((0, 0), (0, pad), (0, 0), (0, 0))) for a in (q, k, v))
+        g, beta = (jnp.pad(a, ((0, 0), (0, pad), (0, 0))) for a in (g, beta))
+    n = (t + pad) // chunk
+    # [B, H, N, C, D]
+    q, k, v = (a.reshape(b, n, chunk, h, -1).transpose(0, 3, 1, 2, 4) for a in (q, k, v))
+    g, beta = (a.reshape(b, n, chunk, h).transpose(0, 3, 1, 2) for a in (g, beta))
+    kb, vb = k * beta[..., None], v * beta[..., None]
+    cum = jnp.cumsum(g, axis=-1)  # [B, H, N, C]
+    lower = jnp.tril(jnp.ones((chunk, chunk), bool))
+    diff = cum[..., :, None] - cum[..., None, :]
+    decay = jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)  # [.., C, C], i >= j
+    strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
+    a = jnp.where(strict, -(kb @ jnp.swapaxes(k, -1, -2)) * decay, 0.0)
+    # (I - A)^-1 by forward substitution over rows; A is strictly lower triangular.
+    eye = jnp.eye(chunk, dtype=a.dtype)
+    tinv = jax.scipy.linalg.solve_triangular(eye - a, jnp.broadcast_to(eye, a.shape), lower=True,
+                                             unit_diagonal=True)
+    u = tinv @ vb  # new values
+    w = tinv @ (kb * jnp.exp(cum)[..., None])  # decayed keys that read the old state
+    attn = jnp.where(lower, (q @ jnp.swapaxes(k, -1, -2)) * decay, 0.0)
+    qd = q * jnp.exp(cum)[..., None]
+    kd = k * jnp.exp(cum[..., -1:] - cum)[..., None]
+    last = jnp.exp(cum[..., -1])  # [B, H, N]
 
-    return gated_delta.chunked_reference(state, q, k, v, g, beta, chunk)
+    def body(s, xs):
+        ui, wi, qi, ki, ai, li = xs
+        v_new = ui - wi @ s
+        o = qi @ s + ai @ v_new
+        s = s * li[..., None, None] + jnp.swapaxes(ki, -1, -2) @ v_new
+        return s, o
+
+    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (u, w, qd, kd, attn, last))
+    state, out = jax.lax.scan(body, state, xs)  # out [N, B, H, C, Dv]
+    out = out.transpose(1, 0, 3, 2, 4).reshape(b, n * chunk, h, dv)[:, :t]
+    return state, out

@@ -46,8 +46,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import quant
 from pallas_kernels.qmatmul import bf16_half
-from tfjax import quant
 
 POLICY: dict = {}  # BlockSizes.for_weight keywords for the default tiles (benchmarks A/B them, bench_graph.py)
 MAX_BLOCK_M = 64  # rows of x a program at most (one weight read serves them)
@@ -74,7 +74,6 @@ class BlockSizes:
     operand: str = "regs"  # the dequantized weights reach the MMA from registers ("smem": through shared memory)
     unpack: str = "words"  # 32-bit shift and AND-OR per two weights ("halves": 16-bit ops per weight, the older path)
     out: str = "rows"  # partials [split, M, N], real rows only (TMA drops a block's rows past M); "cols": [split, N, Mp]
-    probe: str = ""  # timing probes (wrong results): "no_dequant" feeds raw weight bits to the MMA, "loads" skips the MMA too
 
     @classmethod
     def for_weight(cls, n: int, k: int, programs: int = 2176, max_split: int = 17, **kw) -> BlockSizes:
@@ -117,8 +116,6 @@ def _kernel(xt_gmem, w_gmem, sb_gmem, o_gmem, o_smem, *a_smem, bs: BlockSizes, t
         return lax.broadcast_in_dim(v, (bn, GROUP), (0,))
 
     def body(_, xt_smem, w_smem, sb_smem, acc):
-        if bs.probe == "loads":
-            return acc
         v = read(w_smem, WORDS_LAYOUT if words else plgpu.Layout.WGMMA)  # uint32 [bn, 32] or uint16 [bn, 64]
         for f in range(4):
             # slot f % 2 last fed group f - 2's MMA: let it finish (group f - 1's may still run); with the register
@@ -133,10 +130,8 @@ def _kernel(xt_gmem, w_gmem, sb_gmem, o_gmem, o_smem, *a_smem, bs: BlockSizes, t
             else:
                 q = ((v >> jnp.uint16(4 * f)) & jnp.uint16(0xF)) | jnp.uint16(0x4300)
                 q = lax.bitcast_convert_type(q, jnp.bfloat16)  # 128 + q, exact
-            if bs.probe == "no_dequant":
-                a = q
-            else:  # q exactly, then one product and one sum in bf16 (folding -128 s into b loses q * s to rounding)
-                a = (q - jnp.asarray(128, jnp.bfloat16)) * rows(scale) + rows(bias)
+            # q exactly, then one product and one sum in bf16 (folding -128 s into b loses q * s to rounding)
+            a = (q - jnp.asarray(128, jnp.bfloat16)) * rows(scale) + rows(bias)
             if bs.operand == "regs":  # the MMA reads the group from registers: no shared-memory round trip
                 xg = xt_smem.at[:, pl.ds(f * GROUP, GROUP)]
                 if emulated:  # the interpreter's MMA takes no register operand: the same product, into o_smem
@@ -239,9 +234,8 @@ def _check(x, words, packed, group_size, bs: BlockSizes):
     if packed.dtype != jnp.uint32 or packed.shape != (k // GROUP, n):
         raise ValueError(f"want packed scales uint32 {(k // GROUP, n)} (`quant.pack_scale_bias`), got "
                          f"{packed.shape=} {packed.dtype=}")
-    if bs.probe not in ("", "no_dequant", "loads") or bs.operand not in ("smem", "regs") or bs.unpack not in (
-            "words", "halves") or bs.out not in ("rows", "cols"):
-        raise ValueError(f"unknown probe {bs.probe!r}, operand {bs.operand!r}, unpack {bs.unpack!r} or out {bs.out!r}")
+    if bs.operand not in ("smem", "regs") or bs.unpack not in ("words", "halves") or bs.out not in ("rows", "cols"):
+        raise ValueError(f"unknown operand {bs.operand!r}, unpack {bs.unpack!r} or out {bs.out!r}")
     if bs.operand == "regs" and (bs.block_m % 8 or bs.block_m > 256) or bs.operand == "smem" and bs.block_m != 16:
         raise ValueError(f"operand {bs.operand!r} cannot take block_m={bs.block_m} (regs: 8-row tiles; smem: 16)")
     if n % bs.block_n or k % (TILE * bs.split_k):

@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from timing import device_time, median_time
+
+from tfjax.profiling import device_time, median_time
 
 START, BUDGET = time.perf_counter(), float(os.environ.get("BENCH_BUDGET_S", "1e9"))  # sweeps stop past BUDGET
 ROWS = []  # markdown rows: (section, what, time, achieved, ceiling, fraction)
@@ -233,12 +234,11 @@ def qmatmul_section(sweep: bool | str, ms=(1, 4, 16, 64)):
 
 def dispatched(policy, n, k):
     """(f(x, w, s, b), its tiles): what `ops.qmatmul` runs for this layout: the Mosaic GPU kernel for packed pairs
-    (unless TFJAX_QMATMUL_MGPU=0), else the Triton tiled kernel with the policy's tiles."""
+    it serves, else the Triton tiled kernel with the policy's tiles."""
     from pallas_kernels import qmatmul as qm
     from pallas_kernels import qmatmul_mgpu as mg
-    from tfjax import ops
 
-    if policy.get("packed") and ops.mgpu_qmatmul() and mg.BlockSizes.serves(n, k, GROUP):
+    if policy.get("packed") and mg.BlockSizes.serves(n, k, GROUP):
         bs = mg.BlockSizes.for_weight(n, k, **mg.POLICY)
         return (lambda x, w, s, b: mg.qmatmul_pairs(x, w, s, block_sizes=bs)), bs
     bs = tiled_bs(policy, n, k)
@@ -363,7 +363,7 @@ def attention_section(sweep: bool | str):
         attention_candidates(ATTN_CANDS, h, g, e, bw)
         return
     from pallas_kernels import attention_mgpu as am
-    from tfjax.models.layers import mosaic_attention_blocks, mosaic_attention_serves
+    from tfjax.ops import MOSAIC_ATTENTION_BLOCKS, mosaic_attention_serves
 
     # the table times what the engine serves: the Mosaic kernel where the dispatch takes it, unless a sweep chose
     mosaic = not sweep and mosaic_attention_serves(e, 16, jnp.bfloat16, jnp.bfloat16)
@@ -374,7 +374,7 @@ def attention_section(sweep: bool | str):
         sets = kv_sets(ctx, max(2, min(16, math.ceil(512e6 / kvb))))
         for t in (1, 8):
             q, pos = verify_rows(ctx, t, h, e, seed=t)
-            f = (functools.partial(am.paged_attention, block_sizes=mosaic_attention_blocks()) if mosaic else
+            f = (functools.partial(am.paged_attention, block_sizes=MOSAIC_ATTENTION_BLOCKS) if mosaic else
                  functools.partial(pa.paged_attention, block_sizes=best))
             err = rel_err(f(q, *sets[0], pos), pa.reference(q, *sets[0], pos))
             args = [(q, *s, pos) for s in sets]
@@ -441,7 +441,6 @@ def delta_section():
     import jax.numpy as jnp
 
     from pallas_kernels import gated_delta as gdk
-    from tfjax.models import gated_delta
 
     bw = RESULTS["copy_GBps"] * 1e9
     hv, d = 48, 128
@@ -463,7 +462,7 @@ def delta_section():
                 print(f"  delta sweep {bs}: {ts * 1e6:.1f} us", flush=True)
         err = max(rel_err(a, b) for a, b in zip(gdk.recurrent(*sets[0]), gdk.reference(*sets[0]), strict=True))
         tk = per_call(gdk.recurrent, sets)
-        tr = per_call(gated_delta.recurrent_reference, sets)
+        tr = per_call(gdk.recurrent_reference, sets)
         moved = 2 * state_bytes + sum(a.nbytes for a in sets[0][1:6])
         RESULTS.setdefault("delta", []).append(dict(lanes=lanes, t=t, us=tk * 1e6, xla_us=tr * 1e6, err=err))
         row("delta", f"{lanes} lane(s) x {t} rows, 48 heads 128x128 (XLA {tr * 1e6:.0f} us; err {err:.0e})", tk,
@@ -484,7 +483,6 @@ def delta_prompt_section():
     import jax.numpy as jnp
 
     from pallas_kernels import gated_delta_chunked as gdc
-    from tfjax.models import gated_delta
 
     hv, d = 48, 128
     for t in DELTA_PROMPT_ROWS:
@@ -495,8 +493,8 @@ def delta_prompt_section():
                 jax.random.normal(keys[3], (1, t, hv, d)), -jax.nn.softplus(jax.random.normal(keys[4], (1, t, hv))),
                 jax.nn.sigmoid(jax.random.normal(keys[5], (1, t, hv))))
         with jax.default_matmul_precision("highest"):
-            want = jax.jit(gated_delta.chunked_reference)(*args)
-        txla = per_call(gated_delta.chunked_reference, [args], reps=5)
+            want = jax.jit(gdc.reference)(*args)
+        txla = per_call(gdc.reference, [args], reps=5)
         flops = t * hv * (6 * d * d + 4 * 64 * d + 24 * 64 * 64)  # state reads, writes and the chunk's triangle
         row("delta_prompt", f"XLA chunked scan, {t} rows, 48 heads 128x128", txla, flops / txla / 1e12,
             RESULTS["bf16_TFLOPs"], "TFLOP/s")
@@ -558,7 +556,6 @@ def flash_section():
 
     from pallas_kernels import flash_attention as fa
     from tfjax import ops
-    from tfjax.models import layers
 
     peak = RESULTS["bf16_TFLOPs"]
     h, g, e = 24, 4, 256
@@ -583,12 +580,15 @@ def flash_section():
     kp, vp, pt = kv_sets(n * page, 1, seed=5)[0]
     qq = jax.random.normal(jax.random.key(6), (1, 300, h, e), jnp.bfloat16)
     pp = (900 + jnp.arange(300, dtype=jnp.int32))[None]
-    pages = layers.KVPages(kp, vp)
-    got = jax.jit(lambda q: layers.paged_attention(q, pages, pt, pp))(qq)
-    ops.set_kernels("reference")
-    want = jax.jit(lambda q: layers.paged_attention(q, pages, pt, pp))(qq)
-    ops.set_kernels("auto")
-    checks["layers.paged_attention prompt (kernel vs reference path)"] = rel_err(got, want)
+    pages = ops.KVPages(kp, vp)
+
+    def attend(q, kernels):
+        with ops.using(kernels):
+            return ops.paged_attention(q, pages, pt, pp)
+
+    got = jax.jit(functools.partial(attend, kernels=ops.PALLAS))(qq)
+    want = jax.jit(functools.partial(attend, kernels=ops.REFERENCE))(qq)
+    checks["ops.paged_attention prompt (kernel vs reference path)"] = rel_err(got, want)
     for name, err in checks.items():
         print(f"  flash check {name}: err {err:.1e} {'ok' if err < 1e-2 else 'FAIL'}", flush=True)
     RESULTS["flash_checks"] = checks
@@ -663,9 +663,9 @@ def decode_section(steps=20, context=2048, layers=0, modes=("reference", "kernel
 
     from tfjax import geometry, models, ops
     from tfjax.config import QuantConfig
+    from tfjax.models.decoder import DeltaState
     from tfjax.models.layers import ROWS as ROWS_MODE
     from tfjax.models.layers import serving_layout
-    from tfjax.models.qwen3_5 import DeltaState
 
     bw = RESULTS["copy_GBps"] * 1e9
     unit = "tok/s" if rows == 1 else "rounds/s"  # a round of `rows` verify rows keeps one token or more
@@ -681,8 +681,8 @@ def decode_section(steps=20, context=2048, layers=0, modes=("reference", "kernel
     step_bytes = weight_bytes + kv_bytes + state_bytes
     tokens, first = {}, {}  # first: each path's logits at the same first step (same weights, cache and token)
     for mode in modes:
-        ops.set_kernels(mode)
         model = nnx.merge(graphdef, params)
+        model.kernels = ops.PALLAS if mode == "kernel" else ops.REFERENCE  # static, in the graphdef
         if mode == "kernel":
             fused, packed = serving_layout(model)
             print(f"  fused {fused} projection groups, repacked {packed} linears", flush=True)
@@ -752,7 +752,7 @@ def decode_section(steps=20, context=2048, layers=0, modes=("reference", "kernel
 
 def prefill_section(rows=2048, layers=0, delta_chunked=("0", "1")):
     """One lane's prompt chunk of `rows` tokens through dense27 4-bit (random weights, kernels on), with prompt
-    DeltaNet through XLA's chunked scan (`TFJAX_DELTA_CHUNKED=0`) and through the Pallas kernel (`=1`): wall time a
+    DeltaNet through XLA's chunked scan (`Kernels.delta_chunked` off: "0") and through the Pallas kernel ("1"): wall time a
     chunk, tokens/s, the rate over the bf16 matmul rate, and the two paths' last-row logits against each other."""
     import jax
     import jax.numpy as jnp
@@ -769,14 +769,13 @@ def prefill_section(rows=2048, layers=0, delta_chunked=("0", "1")):
     words = [x for path, x in jax.tree_util.tree_flatten_with_path(params)[0]  # the 4-bit linears' packed weights
              if x.dtype == jnp.uint32 and "embed_tokens" not in jax.tree_util.keystr(path)]
     flops = 2 * rows * sum(x.size for x in words) * (32 // config.quantization.bits)  # matmuls only
-    ops.set_kernels("kernel")
     model = nnx.merge(graphdef, params)
     serving_layout(model)
-    gd, ps = models.split(model)
     tokens = jax.random.randint(jax.random.key(3), (1, rows), 0, config.vocab_size, jnp.int32)
-    last, before = {}, os.environ.get("TFJAX_DELTA_CHUNKED")
+    last = {}
     for setting in delta_chunked:
-        os.environ["TFJAX_DELTA_CHUNKED"] = setting  # read when the chunk is traced: one jit per setting
+        model.kernels = ops.Kernels(pallas=True, delta_chunked=setting == "1")  # static: one jit per setting
+        gd, ps = models.split(model)
         cache = model.init_cache(1, rows + 64)
 
         @jax.jit
@@ -794,10 +793,6 @@ def prefill_section(rows=2048, layers=0, delta_chunked=("0", "1")):
         row("prefill", f"dense27 4-bit, {rows}-token chunk, DeltaNet on the {what} ({rows / t:.0f} tok/s; compile "
             f"{compile_s:.0f} s)", t, flops / t / 1e12, RESULTS["bf16_TFLOPs"], "TFLOP/s")
         del cache
-    if before is None:  # the caller's own setting back
-        os.environ.pop("TFJAX_DELTA_CHUNKED", None)
-    else:
-        os.environ["TFJAX_DELTA_CHUNKED"] = before
     if len(last) == 2:
         a, b = (np.asarray(v, np.float32)[0] for v in last.values())
         RESULTS["prefill_logits"] = dict(rel_err=float(np.abs(a - b).max() / np.abs(b).max()),
@@ -822,7 +817,7 @@ def override_pairs_policy(kw: dict) -> None:
 
 
 def profile_steps(step, ps, token, cache, pos, what, count=5):
-    """Run `count` more steps under the profiler and print their kernels per step (scripts/profile_round.py)."""
+    """Run `count` more steps under the profiler and print their kernels per step (tfjax.profiling)."""
     import jax
     import jax.numpy as jnp
     from profile_round import latest_events, summarize
@@ -890,7 +885,7 @@ def main():
     ap.add_argument("--pairs-policy", default="", help="decode: keywords replacing the pair layout's dispatch tiles, "
                     "e.g. \"dict(programs=264, sums_outside=False)\" (A/B runs)")
     ap.add_argument("--mgpu-policy", default="", help="decode: the Mosaic GPU kernel's tile keywords (the "
-                    "dispatch unless TFJAX_QMATMUL_MGPU=0), e.g. \"dict(pad_rows=True)\"")
+                    "dispatch's for packed pairs), e.g. \"dict(pad_rows=True)\"")
     ap.add_argument("--attn-blocks", default="", help="attention's default BlockSizes keywords (decode and the "
                     "attention section), e.g. \"dict(q_blocks=1)\"")
     ap.add_argument("--attn-cands", default="", help="attention: instead of the table, device time of each "

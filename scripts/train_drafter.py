@@ -97,7 +97,7 @@ def build_data(args, model: Path, target, tok, prompts: list[list[int]], out: Pa
     path = out / "data.npz"
     if path.exists():
         return dict(np.load(path))
-    if ops.use_kernels():
+    if ops.Kernels.default().pallas:
         target = api.load(model, lanes=args.lanes).model
     seqs_p, seqs_o = [], []
     for rep in range(args.samples):
@@ -171,6 +171,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     path = api.resolve(args.model)
     target, tcfg = checkpoint.load(path, dtype="float32")
+    target.kernels = ops.REFERENCE  # gradients flow through the target's embedding and lm_head: jnp ops only
     tok = Tokenizer.from_dir(path)
     tdef, tparams = models.split(target)
     added = tok.backend.get_added_tokens_decoder()
@@ -179,10 +180,11 @@ def main():
                            rank=args.rank, top_k=args.top_k, intermediate=args.intermediate)
     prompts = prompt_ids(tok, args.prompts)
     data = build_data(args, path, target, tok, prompts, out)
-    ops.set_kernels("reference")  # gradients flow through the target's embedding and lm_head: jnp ops only
     data["feats"] = build_feats(args, tdef, tparams, data, cfg.target_layer_ids, out)
 
-    ddef, params = nnx.split(dflash2.build(cfg, seed=args.seed).bind(tcfg))
+    drafter = dflash2.build(cfg, seed=args.seed).bind(tcfg)
+    drafter.kernels = ops.REFERENCE  # trained through jnp ops (its kernels have no gradients)
+    ddef, params = nnx.split(drafter)
     opt = train.optimizer(args.lr, min(50, args.steps // 10), args.steps)
     opt_state = opt.init(params)
     mngr = ocp.CheckpointManager(out / "ckpt", options=ocp.CheckpointManagerOptions(max_to_keep=2))

@@ -1,13 +1,27 @@
-"""Tests run on the CPU in float32 unless a test asks for the GPU (`gpu` marker); the shared tiny target."""
+"""Tests run on the CPU in float32 unless the `gpu` marker is selected (`pytest -m gpu` runs on the GPU by itself);
+the shared tiny target."""
 
 from __future__ import annotations
 
 import os
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+import pytest
 
-import pytest  # noqa: E402  (after the platform is chosen)
+
+def gpu_selected(markexpr: str) -> bool:
+    """Whether a `-m` expression selects tests marked `gpu` (and nothing else): `gpu` yes, `not gpu` no."""
+    if not markexpr:
+        return False
+    from _pytest.mark.expression import Expression
+
+    return Expression.compile(markexpr).evaluate(lambda name: name == "gpu")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The platform is chosen here, before any test module imports jax."""
+    if not gpu_selected(config.getoption("markexpr", "")):
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 
 @pytest.fixture(scope="module")

@@ -98,10 +98,8 @@ def test_interpret_blocks_sharing_a_program_match_reference_and_each_row_alone(t
         np.testing.assert_array_equal(f(q[:, i : i + 1], pos[:, i : i + 1])[:, 0], full[:, i], err_msg=f"row {i}")
 
 
-# the default (8 rows x 6 heads in one 64-row block), 16-row blocks sharing a program, and the timing probes
-@pytest.mark.parametrize("bs", [pa.DEFAULT, pa.BlockSizes(block_q=16, num_warps=4), pa.BlockSizes(probe="loads"),
-                                pa.BlockSizes(probe="contig")],
-                         ids=["default", "blocks-sharing", "loads-probe", "contig-probe"])
+# the default (8 rows x 6 heads in one 64-row block) and 16-row blocks sharing a program
+@pytest.mark.parametrize("bs", [pa.DEFAULT, pa.BlockSizes(block_q=16, num_warps=4)], ids=["default", "blocks-sharing"])
 def test_lowers_to_triton_for_cuda(bs):
     sds = jax.ShapeDtypeStruct
     q, pages = sds((1, 8, 24, 256), jnp.bfloat16), sds((40, 16, 4, 256), jnp.bfloat16)
@@ -109,15 +107,6 @@ def test_lowers_to_triton_for_cuda(bs):
     text = f.trace(q, pages, pages, sds((1, 32), jnp.int32), sds((1, 8), jnp.int32)).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "triton" in text and "paged_attention" in text
-
-
-def test_interpret_contig_probe_equals_the_kernel_when_the_table_is_the_identity():
-    """The probe reads a tile's pages as one slice: right only where the lane's pages lie in order from page 0."""
-    rng = np.random.default_rng(9)
-    q, kp, vp, _, pos = _case(rng, 1, 3, 4, 2, 64, 6, 16, jnp.float32)
-    table = jnp.arange(6, dtype=jnp.int32)[None]
-    f = lambda bs: np.asarray(pa.paged_attention(q, kp, vp, table, pos, block_sizes=bs, interpret=True))
-    np.testing.assert_array_equal(f(dataclasses.replace(SMALL, probe="contig")), f(SMALL))
 
 
 def test_interpret_unallocated_pages_holding_nan_never_reach_a_row():
@@ -141,8 +130,6 @@ def test_bad_shapes_raise_naming_the_value():
         pa.paged_attention(q, kp, vp, pt, pos, block_sizes=pa.BlockSizes(block_k=24), interpret=True)
     with pytest.raises(ValueError, match="h=3"):
         pa.paged_attention(q[:, :, :3], kp, vp, pt, pos, block_sizes=SMALL, interpret=True)
-    with pytest.raises(ValueError, match="unknown probe 'dots'"):
-        pa.paged_attention(q, kp, vp, pt, pos, block_sizes=pa.BlockSizes(probe="dots"), interpret=True)
 
 
 # The same cases compiled on a GPU: `pytest -m gpu tests/test_attention_kernel.py` on the device.

@@ -152,8 +152,8 @@ def test_interpret_nan_past_the_last_position_never_reaches_a_row():
     assert rel_err(y, clean) < 1e-2
 
 
-@pytest.mark.parametrize("bs", [am.DEFAULT, am.BlockSizes(probe="loads"), am.BlockSizes(block_k=128, stages=1),
-                                am.BlockSizes(interleave=True)], ids=["default", "loads-probe", "long-tiles", "interleaved"])
+@pytest.mark.parametrize("bs", [am.DEFAULT, am.BlockSizes(block_k=128, stages=1), am.BlockSizes(interleave=True)],
+                         ids=["default", "long-tiles", "interleaved"])
 def test_lowers_to_mosaic_gpu_for_cuda(bs):
     text = am.lowered_for_gpu((1, 8, 24, 256), (256, 16, 4, 256), 256, bs)
     assert "mosaic_gpu" in text and 'name = "attention_combine"' in text
@@ -185,8 +185,6 @@ def test_bad_inputs_raise_naming_the_value():
         am.paged_attention(q.astype(jnp.float32), kp, vp, pt, pos, interpret=True)
     with pytest.raises(ValueError, match="chunk_k=96"):
         am.paged_attention(q, kp, vp, pt, pos, block_sizes=am.BlockSizes(chunk_k=96), interpret=True)
-    with pytest.raises(ValueError, match="probe 'dots'"):
-        am.paged_attention(q, kp, vp, pt, pos, block_sizes=am.BlockSizes(probe="dots"), interpret=True)
     q, kp, vp, pt, pos = _case(rng, 1, 1, 4, 2, 256, 4, 16, jnp.bfloat16)
     with pytest.raises(ValueError, match="shared memory"):
         am.paged_attention(q, kp, vp, pt, pos, block_sizes=am.BlockSizes(stages=3), interpret=True)

@@ -112,10 +112,9 @@ def test_gpu_gqa_head_dims_match_reference(e, h, g):
 
 
 def test_model_prompt_path_takes_flash_and_rows_take_paged(monkeypatch):
-    """With kernels on, a prompt chunk goes to flash and lane-round rows to the paged kernel; TFJAX_FLASH=0 opts out."""
+    """With kernels on, a prompt chunk goes to flash and lane-round rows (f32: no Mosaic kernel) to the paged kernel."""
     from pallas_kernels import attention as pa
     from tfjax import ops
-    from tfjax.models import layers
 
     calls = []
 
@@ -130,19 +129,17 @@ def test_model_prompt_path_takes_flash_and_rows_take_paged(monkeypatch):
     monkeypatch.setattr(pa, "paged_attention", spy("paged", pa.paged_attention))
     rng = np.random.default_rng(10)
     p, page, g, e, n = 12, 16, 2, 64, 5
-    pages = layers.KVPages(jnp.asarray(rng.standard_normal((p, page, g, e)), jnp.float32),
+    pages = ops.KVPages(jnp.asarray(rng.standard_normal((p, page, g, e)), jnp.float32),
                            jnp.asarray(rng.standard_normal((p, page, g, e)), jnp.float32))
     pt = jnp.asarray(rng.permutation(p)[:n][None], jnp.int32)
     q = jnp.asarray(rng.standard_normal((1, 20, 4, e)), jnp.float32)
     pos = jnp.asarray(31 + np.arange(20)[None], jnp.int32)
-    want = layers.paged_attention(q, pages, pt, pos)  # the reference path (CPU)
-    monkeypatch.setattr(ops, "_FORCE", "kernel")
-    monkeypatch.setenv("TFJAX_FLASH", "0")
-    assert rel_err(layers.paged_attention(q, pages, pt, pos), want) < 1e-5 and calls == ["paged"], "opted out"
-    calls.clear()
-    monkeypatch.delenv("TFJAX_FLASH")
-    got = layers.paged_attention(q, pages, pt, pos)
-    got_rows = layers.paged_attention(q, pages, pt, pos, rows=True)
+    with ops.using(ops.REFERENCE):
+        want = ops.paged_attention(q, pages, pt, pos)
+    assert calls == []
+    with ops.using(ops.PALLAS):
+        got = ops.paged_attention(q, pages, pt, pos)
+        got_rows = ops.paged_attention(q, pages, pt, pos, rows=True)
     assert calls == ["flash", "paged"]
     assert rel_err(got, want) < 1e-5 and rel_err(got_rows, want) < 1e-5
 

@@ -8,8 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tfjax import geometry, models
-from tfjax.models import gated_delta
+from tfjax import geometry, models, ops
 from tfjax.models.layers import PROMPT
 
 
@@ -27,8 +26,8 @@ def _inputs(b=2, t=70, h=4, dk=16, dv=8, seed=0):
 
 def test_chunked_equals_recurrent():
     s0, *xs = _inputs()
-    s_r, o_r = gated_delta.recurrent(s0, *xs)
-    s_c, o_c = gated_delta.chunked(s0, *xs, chunk=16)
+    s_r, o_r = ops.recurrent(s0, *xs)
+    s_c, o_c = ops.chunked(s0, *xs, chunk=16)
     np.testing.assert_allclose(np.asarray(o_c), np.asarray(o_r), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.asarray(s_c), np.asarray(s_r), rtol=1e-4, atol=1e-4)
 
@@ -36,9 +35,9 @@ def test_chunked_equals_recurrent():
 def test_recurrent_with_count_stops_each_lane_at_its_count():
     s0, *xs = _inputs(t=9)
     count = jnp.array([3, 7])
-    s_masked, _ = gated_delta.recurrent(s0, *xs, count=count)
+    s_masked, _ = ops.recurrent(s0, *xs, count=count)
     for lane, n in enumerate([3, 7]):
-        s_plain, _ = gated_delta.recurrent(s0[lane : lane + 1], *(x[lane : lane + 1, :n] for x in xs))
+        s_plain, _ = ops.recurrent(s0[lane : lane + 1], *(x[lane : lane + 1, :n] for x in xs))
         np.testing.assert_array_equal(np.asarray(s_masked[lane]), np.asarray(s_plain[0]))
 
 

@@ -109,18 +109,17 @@ def test_bad_shapes_and_blocks_raise_naming_the_value():
 
 
 def test_model_chunked_takes_the_kernel_only_when_switched_on(monkeypatch):
-    """`gated_delta.chunked` stays on XLA's scan with kernels on, and goes to the kernel with TFJAX_DELTA_CHUNKED=1."""
+    """`ops.chunked` stays on XLA's scan with kernels on, and goes to the kernel with `Kernels.delta_chunked`."""
     from tfjax import ops
-    from tfjax.models import gated_delta
 
     calls = spy_interpreted(monkeypatch, gdc, "chunked", lambda args, kw: kw["block_sizes"].chunk)
-    monkeypatch.setattr(ops, "_FORCE", "kernel")
     args = _case(np.random.default_rng(5), 1, 20, 2, 16, 16)
-    want_state, want = gated_delta.chunked_reference(*args, 16)
-    gated_delta.chunked(*args, chunk=16)
+    want_state, want = gdc.reference(*args, 16)
+    with ops.using(ops.PALLAS):
+        ops.chunked(*args, chunk=16)
     assert calls == []
-    monkeypatch.setenv("TFJAX_DELTA_CHUNKED", "1")
-    got_state, got = gated_delta.chunked(*args, chunk=16)
+    with ops.using(ops.Kernels(pallas=True, delta_chunked=True)):
+        got_state, got = ops.chunked(*args, chunk=16)
     assert calls == [16] and rel_err(got, want) < 1e-5 and rel_err(got_state, want_state) < 1e-5
 
 
@@ -166,9 +165,8 @@ def test_model_prompt_layer_takes_the_kernel_and_gives_the_scans_outputs(monkeyp
     valid = jnp.asarray([70, 61], jnp.int32)
     want, want_cache, _ = layer(x, start, valid, PROMPT)
     calls = spy_interpreted(monkeypatch, gdc, "chunked", lambda args, kw: "kernel")
-    monkeypatch.setattr(ops, "_FORCE", "kernel")
-    monkeypatch.setenv("TFJAX_DELTA_CHUNKED", "1")
-    got, got_cache, _ = layer(x, start, valid, PROMPT)
+    with ops.using(ops.Kernels(pallas=True, delta_chunked=True)):
+        got, got_cache, _ = layer(x, start, valid, PROMPT)
     assert calls == ["kernel"]
     assert rel_err(got[1, :61], want[1, :61]) < 1e-5 and rel_err(got[0], want[0]) < 1e-5
     assert rel_err(got_cache.state, want_cache.state) < 1e-5

@@ -84,21 +84,20 @@ def test_bad_shapes_raise_naming_the_value():
         gdk.recurrent(state[..., :12], q, k, v[..., :12], g, beta, interpret=True)
 
 
-def test_model_recurrence_takes_the_kernel_with_kernels_unless_switched_off(monkeypatch):
-    """`gated_delta.recurrent` goes to the kernel with kernels on, the reference with TFJAX_DELTA_KERNEL=0."""
+def test_model_recurrence_takes_the_kernel_with_kernels_and_the_reference_without(monkeypatch):
+    """`ops.recurrent` goes to the kernel with kernels on and to the reference with them off."""
     from tfjax import ops
-    from tfjax.models import gated_delta
 
     calls = spy_interpreted(monkeypatch, gdk, "recurrent", lambda args, kw: "kernel")
-    monkeypatch.setattr(ops, "_FORCE", "kernel")
     args = _case(np.random.default_rng(5), 2, 3, 2, 16, 16)
     count = jnp.asarray([3, 1], jnp.int32)
-    want, _ = gated_delta.recurrent_reference(*args, count)
-    got, _ = gated_delta.recurrent(*args, count)
+    want, _ = gdk.recurrent_reference(*args, count)
+    with ops.using(ops.REFERENCE):
+        got, _ = ops.recurrent(*args, count)
+    assert calls == [] and rel_err(got, want) == 0, "kernels off: the reference"
+    with ops.using(ops.PALLAS):
+        got, _ = ops.recurrent(*args, count)
     assert calls == ["kernel"] and rel_err(got, want) < 1e-6
-    monkeypatch.setenv("TFJAX_DELTA_KERNEL", "0")
-    got, _ = gated_delta.recurrent(*args, count)
-    assert calls == ["kernel"] and rel_err(got, want) == 0, "switched off: the reference"
 
 
 def test_lowers_to_triton_for_cuda_without_a_gpu():
@@ -192,6 +191,7 @@ def test_model_rows_take_the_fused_kernels_and_replay_through_them(monkeypatch):
     """With kernels on, a DeltaNet layer's lane rows go through the window conv and the qkv recurrence (two
     launches) and give the reference path's outputs, next conv tail and state; replay re-runs the fused kernel."""
     from pallas_kernels import causal_conv as cc
+    from pallas_kernels import matmul as mm
     from pallas_kernels import row_norm as rn
     from tfjax import geometry, models, ops
     from tfjax.models.layers import ROWS
@@ -212,7 +212,7 @@ def test_model_rows_take_the_fused_kernels_and_replay_through_them(monkeypatch):
     recurrences = spy_interpreted(monkeypatch, gdk, "recurrent_qkv", lambda args, kw: "recurrence")
     spy_interpreted(monkeypatch, rn, "row_norm", lambda args, kw: "norm")
     monkeypatch.setattr(ops, "_FORCE", "kernel")
-    monkeypatch.setenv("TFJAX_DENSE_KERNEL", "0")  # projections stay on the tile loop (no Triton on the CPU)
+    spy_interpreted(monkeypatch, mm, "matmul", lambda args, kw: "matmul")  # projections: the dense kernel
     got, got_cache, got_trace = layer(x, start, valid, ROWS)
     assert got_trace.qkv is not None and got_trace.q is None
     got_replay = replay(start, got_trace, count)

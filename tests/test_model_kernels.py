@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import pytest
 from flax import nnx
 from jax.experimental import pallas as pl
 
@@ -27,28 +26,20 @@ CONFIG = geometry.named("tiny_dense").replace(quantization=QuantConfig(4, 64), d
                                               linear_value_head_dim=32)
 
 
-def _prompt_then_step(mode: str):
+def _prompt_then_step(kernels: ops.Kernels):
     """Logits of a 5-row prompt and of one more row on its cache, lane-round rows."""
-    ops.set_kernels(mode)
-    try:
-        model = nnx.merge(*models.random_params(CONFIG, seed=1))
-        if mode == "kernel":
-            serving_layout(model)
-        cache = model.init_cache(1, 64)
-        prompt = jnp.array([[3, 7, 11, 19, 5]], jnp.int32)
-        first, cache, _ = model(prompt, jnp.array([0]), jnp.array([5]), cache, ROWS)
-        step, _, _ = model(jnp.array([[23]], jnp.int32), jnp.array([5]), jnp.array([1]), cache, ROWS)
-        return jnp.concatenate([first, step], axis=1)
-    finally:
-        ops.set_kernels("auto")
+    model = nnx.merge(*models.random_params(CONFIG, seed=1))
+    model.kernels = kernels
+    if kernels.pallas:
+        serving_layout(model)
+    cache = model.init_cache(1, 64)
+    prompt = jnp.array([[3, 7, 11, 19, 5]], jnp.int32)
+    first, cache, _ = model(prompt, jnp.array([0]), jnp.array([5]), cache, ROWS)
+    step, _, _ = model(jnp.array([[23]], jnp.int32), jnp.array([5]), jnp.array([1]), cache, ROWS)
+    return jnp.concatenate([first, step], axis=1)
 
 
-@pytest.mark.parametrize("mgpu_attention,interleave", [("1", "1"), ("1", "0"), ("0", "1")],
-                         ids=["mosaic-attention", "mosaic-attention-span-chunks", "triton-attention"])
-def test_whole_model_through_the_gpu_dispatch_gives_the_reference_paths_logits(monkeypatch, mgpu_attention,
-                                                                              interleave):
-    monkeypatch.setenv("TFJAX_ATTENTION_MGPU", mgpu_attention)
-    monkeypatch.setenv("TFJAX_ATTENTION_INTERLEAVE", interleave)
+def test_whole_model_through_the_gpu_dispatch_gives_the_reference_paths_logits(monkeypatch):
     names = []
     pallas_call = pl.pallas_call
 
@@ -59,16 +50,15 @@ def test_whole_model_through_the_gpu_dispatch_gives_the_reference_paths_logits(m
     monkeypatch.setattr(pl, "pallas_call", interpreted)
     parts = spy_interpreted(monkeypatch, mg, "qmatmul_parts", lambda args, kw: args[1].shape)
     mosaic_attention = spy_interpreted(monkeypatch, am, "paged_attention", lambda args, kw: kw["block_sizes"])
-    want = _prompt_then_step("reference")
+    want = _prompt_then_step(ops.REFERENCE)
     assert names == [] and parts == [] and mosaic_attention == []
     try:
-        got = _prompt_then_step("kernel")
+        got = _prompt_then_step(ops.PALLAS)
     finally:
         jax.clear_caches()  # jitted kernels traced with the interpreter inside must not serve later traces
     assert {"row_norm_rms_offset", "row_norm_gated"} <= set(names), set(names)
-    assert ("paged_attention" in names) == (mgpu_attention == "0")  # the Triton kernel's pallas_call
-    assert bool(mosaic_attention) == (mgpu_attention == "1")
-    assert all(bs.interleave == (interleave == "1") for bs in mosaic_attention)  # the dispatch's chunk layout
+    assert "paged_attention" not in names and mosaic_attention  # bf16 pages of 16: the Mosaic kernel, not Triton's
+    assert all(bs.interleave for bs in mosaic_attention)  # the dispatch's chunk layout
     assert any("conv" in n for n in names) and any("delta" in n for n in names), set(names)
     assert len(parts) >= 4 * CONFIG.num_hidden_layers  # every 4-bit linear, the lm_head too, on the Mosaic kernel
     assert got.shape == want.shape == (1, 6, CONFIG.vocab_size)
@@ -84,9 +74,9 @@ def test_a_lowered_step_holds_one_mosaic_kernel_per_matmul_shape():
 
     from tfjax.models.layers import Linear
 
-    ops.set_kernels("kernel")
     try:
         model = nnx.merge(*models.random_params(CONFIG, seed=1))
+        model.kernels = ops.PALLAS
         serving_layout(model)
         outputs = ("down_proj", "o_proj", "out_proj")  # a layer's outputs leave as partials, the rest summed
         served = [(m.weight.shape, path[-1] in outputs) for path, m in nnx.iter_modules(model)
@@ -100,7 +90,7 @@ def test_a_lowered_step_holds_one_mosaic_kernel_per_matmul_shape():
         text = jax.jit(step).trace(params, jnp.array([[3]], jnp.int32), jnp.array([4]), cache).lower(
             lowering_platforms=("cuda",)).as_text()
     finally:
-        ops.set_kernels("auto")
+        jax.clear_caches()
     calls = [line for line in text.splitlines() if re.search(r"custom_call @mosaic_gpu", line)]
     attention = sum("paged_attention_mgpu" in line for line in calls)  # one attention kernel per layer shape
     assert attention == 1, attention

@@ -17,9 +17,8 @@ from tfjax.models import layers
 
 @pytest.fixture
 def kernel_dispatch():
-    ops.set_kernels("kernel")
-    yield
-    ops.set_kernels("auto")
+    with ops.using(ops.PALLAS):
+        yield
     jax.clear_caches()  # no trace made with the GPU dispatch forced (and interpreted spies inside) outlives the test
 
 
@@ -47,21 +46,18 @@ def test_gpu_rowwise_runs_rows_in_fixed_tiles_whatever_their_count(kernel_dispat
 
 def test_paged_attention_falls_back_to_the_reference_for_head_dims_the_kernel_lacks(kernel_dispatch):
     rng = np.random.default_rng(2)
-    pages = layers.KVPages(*(jnp.asarray(rng.standard_normal((4, 8, 2, 32)), jnp.float32) for _ in range(2)))
+    pages = ops.KVPages(*(jnp.asarray(rng.standard_normal((4, 8, 2, 32)), jnp.float32) for _ in range(2)))
     table = jnp.asarray([[0, 1, 2, 3]], jnp.int32)
     q = jnp.asarray(rng.standard_normal((1, 3, 4, 32)), jnp.float32)
     positions = jnp.asarray([[5, 6, 7]], jnp.int32)
-    got = layers.paged_attention(q, pages, table, positions)
-    ops.set_kernels("reference")
-    np.testing.assert_array_equal(got, layers.paged_attention(q, pages, table, positions))
+    got = ops.paged_attention(q, pages, table, positions)
+    with ops.using(ops.REFERENCE):
+        np.testing.assert_array_equal(got, ops.paged_attention(q, pages, table, positions))
 
 
-@pytest.mark.parametrize("n,mgpu,want", [(128, "1", "mgpu"), (96, "1", "triton"), (128, "0", "triton")],
-                         ids=["column-blocks", "ragged-n", "switched-off"])
-def test_packed_pair_linears_take_the_mosaic_kernel_for_whole_column_blocks(kernel_dispatch, monkeypatch, n, mgpu,
-                                                                              want):
+@pytest.mark.parametrize("n,want", [(128, "mgpu"), (96, "triton")], ids=["column-blocks", "ragged-n"])
+def test_packed_pair_linears_take_the_mosaic_kernel_for_whole_column_blocks(kernel_dispatch, monkeypatch, n, want):
     """Packed pair-layout 4-bit rows go to the Mosaic GPU kernel when N is whole 64-row blocks, else Triton's."""
-    monkeypatch.setenv("TFJAX_QMATMUL_MGPU", mgpu)
     calls = {"mgpu": spy_interpreted(monkeypatch, mg, "qmatmul_pairs", lambda a, kw: a[0].shape),
              "triton": spy_interpreted(monkeypatch, qk, "qmatmul_tiled", lambda a, kw: a[0].shape)}
     rng = np.random.default_rng(n)
@@ -81,7 +77,6 @@ def test_partials_of_a_mosaic_linear_summed_by_the_norm_give_the_unfused_residua
     norm."""
     from pallas_kernels import row_norm as rn
 
-    monkeypatch.setenv("TFJAX_QMATMUL_MGPU", "1")
     calls = {"parts": spy_interpreted(monkeypatch, mg, "qmatmul_parts", lambda a, kw: a[0].shape),
              "pairs": spy_interpreted(monkeypatch, mg, "qmatmul_pairs", lambda a, kw: a[0].shape),
              "norm": spy_interpreted(monkeypatch, rn, "row_norm", lambda a, kw: a[0].shape)}
@@ -102,3 +97,28 @@ def test_partials_of_a_mosaic_linear_summed_by_the_norm_give_the_unfused_residua
     want_nx = x + lin(h, rows=True)
     np.testing.assert_array_equal(np.asarray(nx, np.float32), np.asarray(want_nx, np.float32))
     assert rel_err(y, norm(want_nx, rows=True)) < 1e-2 and len(calls["norm"]) == 2
+
+
+def test_a_models_kernels_are_in_its_graphdef_so_a_change_recompiles():
+    from tfjax import geometry, models
+
+    model = models.build(geometry.tiny_dense, seed=0, kernels=ops.REFERENCE)
+    a, _ = models.split(model)
+    model.kernels = ops.Kernels(pallas=False, delta_chunked=True)
+    b, _ = models.split(model)
+    model.kernels = ops.REFERENCE
+    c, _ = models.split(model)
+    assert a != b and a == c and hash(a) == hash(c)
+
+
+def test_a_forward_traces_with_its_models_kernels_whatever_is_active_around_it():
+    from tfjax import geometry, models
+    from tfjax.models.layers import ROWS
+
+    model = models.build(geometry.tiny_dense, seed=0, kernels=ops.REFERENCE)
+    cache = model.init_cache(1, 32)
+    tokens = jnp.asarray([[3, 5]], jnp.int32)
+    with ops.using(ops.PALLAS):
+        jaxpr = jax.make_jaxpr(lambda t: model(t, jnp.array([0]), jnp.array([2]), cache, ROWS)[0])(tokens)
+    assert "pallas_call" not in str(jaxpr)
+    assert ops.active() == ops.Kernels.default()  # the scope ended with the trace

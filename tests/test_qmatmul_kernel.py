@@ -347,8 +347,8 @@ def test_ops_pair_layout_reference_path_equals_mlx_path_and_linears_take_it():
     lin = Linear(512, 48, quant=(4, 64), dtype=jnp.float32, rngs=nnx.Rngs(0))
     lin8 = Linear(512, 48, quant=(8, 64), dtype=jnp.float32, rngs=nnx.Rngs(0))
     before = lin(x)
-    assert use_kernel_layout(lin, pairs=True) == 1 and lin.layout == "pairs"
-    assert use_kernel_layout(lin8, pairs=True) == 1 and lin8.layout == "kernel"  # 8-bit: no pair layout
+    assert use_kernel_layout(lin) == 1 and lin.layout == "pairs"
+    assert use_kernel_layout(lin8) == 1 and lin8.layout == "kernel"  # 8-bit: no pair layout
     np.testing.assert_array_equal(np.asarray(lin(x)), np.asarray(before))
 
 
@@ -358,17 +358,12 @@ def test_bf16_pair_linears_pack_their_scales_and_give_the_same_bits(monkeypatch)
     from tfjax.models.layers import Linear, use_kernel_layout
 
     x = jnp.asarray(np.random.default_rng(26).standard_normal((3, 512)), jnp.bfloat16)
-    lins = []
-    for pack in ("1", "0"):
-        monkeypatch.setenv("TFJAX_PACK_SCALES", pack)
-        lin = Linear(512, 48, quant=(4, 64), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-        lin.scales = nnx.Param(jnp.asarray(np.random.default_rng(27).uniform(0, 0.01, (48, 8)), jnp.bfloat16))
-        before = lin(x)
-        assert use_kernel_layout(lin, pairs=True) == 1
-        np.testing.assert_array_equal(np.asarray(lin(x)).view(np.uint16), np.asarray(before).view(np.uint16))
-        lins.append(lin)
-    assert lins[0].biases is None and lins[0].scales.dtype == jnp.uint32
-    assert lins[1].biases is not None and lins[1].scales.dtype == jnp.bfloat16
+    lin = Linear(512, 48, quant=(4, 64), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    lin.scales = nnx.Param(jnp.asarray(np.random.default_rng(27).uniform(0, 0.01, (48, 8)), jnp.bfloat16))
+    before = lin(x)
+    assert use_kernel_layout(lin) == 1
+    np.testing.assert_array_equal(np.asarray(lin(x)).view(np.uint16), np.asarray(before).view(np.uint16))
+    assert lin.biases is None and lin.scales.dtype == jnp.uint32
 
 
 def test_tiled_pairs_split_depends_on_weight_shape_only():
@@ -410,127 +405,6 @@ def test_gpu_tiled_pairs_rows_1_to_64_bit_identical():
     _assert_rows_alone_equal_rows_in_batches(f, x, (2, 5, 16, 33, 64), rng)
 
 
-# --- the GEMV layout (`quant.to_gemv_layout`) and `qmatmul_gemv` ---
-GEMV = qm.GemvBlockSizes(block_m=4, block_n=16, split_k=2, groups_per_step=2)
-
-
-def _gemv(rng, n, k, bits, group_size, dtype):
-    w, s, b = _weights(rng, n, k, bits, group_size, dtype)
-    return (w, s, b), quant.to_gemv_layout(w, s, b, bits, group_size)
-
-
-def test_gemv_layout_round_trips_and_dequantizes_the_same():
-    rng = np.random.default_rng(1)
-    (w, s, b), (wt, st, bt) = _gemv(rng, 32, 1024, 4, 64, jnp.float32)
-    assert wt.shape == (1024 // 8, 32) and st.shape == (1024 // 64, 32)
-    back = quant.from_gemv_layout(wt, st, bt, 4, 64)
-    for x, y in zip(back, (w, s, b), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    np.testing.assert_array_equal(np.asarray(quant.dequantize_gemv_layout(wt, st, bt, 4, 64)),
-                                  np.asarray(quant.dequantize(w, s, b, 4, 64)))
-
-
-def test_gemv_layout_field_j_of_a_group_holds_a_contiguous_run_of_inputs():
-    q = np.arange(2 * 128, dtype=np.uint32).reshape(2, 128) % 16  # [N=2, K=128], one value per input
-    w = quant.pack(q, 4)
-    wt, _, _ = quant.to_gemv_layout(w, np.ones((2, 2), np.float32), np.ones((2, 2), np.float32), 4, 64)
-    fields = quant.unpack(wt.T, 4).reshape(2, 2, 8, 8)  # [n, group, word w, field j]
-    want = q.reshape(2, 2, 8, 8).swapaxes(-1, -2)  # field j of word w is input j * 8 + w of the group
-    np.testing.assert_array_equal(fields, want)
-
-
-@pytest.mark.parametrize("bits", [4, 8])
-def test_field_unpack_is_exact_integers_times_a_power_of_two(bits):
-    rng = np.random.default_rng(bits)
-    per_word = 32 // bits
-    q = rng.integers(0, 1 << bits, (64, per_word), dtype=np.uint32)
-    q[0], q[1] = 0, (1 << bits) - 1  # both ends of the range
-    words = jnp.asarray(quant.pack(q, bits))  # [64, 1]
-    for j, (f, c) in enumerate(qm._fields(words, bits)):
-        np.testing.assert_array_equal(np.asarray(f)[:, 0] * c, q[:, j].astype(np.float32))
-
-
-@pytest.mark.parametrize("m,bits,group_size,fold,x_scalar", [
-    (1, 4, 64, False, True), (17, 4, 32, False, True), (6, 8, 128, False, True), (9, 8, 32, False, True),
-    (1, 4, 64, False, False), (17, 4, 32, False, False), (5, 4, 128, True, False), (9, 8, 32, True, False),
-])  # fmt: skip
-def test_interpret_gemv_matches_reference(m, bits, group_size, fold, x_scalar):
-    rng = np.random.default_rng(m + bits)
-    k = 8 * group_size
-    mlx, gemv = _gemv(rng, 32, k, bits, group_size, jnp.float32)
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
-    bs = dataclasses.replace(GEMV, fold=fold, x_scalar=x_scalar)
-    y = qm.qmatmul_gemv(x, *gemv, bits=bits, group_size=group_size, block_sizes=bs, interpret=True)
-    r = qm.reference(x, *mlx, bits=bits, group_size=group_size)
-    assert y.shape == (m, 32) and _rel_err(y, r) < 1e-5
-
-
-@pytest.mark.parametrize("bits", [4, 8])
-def test_offset_fields_keep_2_to_23_and_sit_high_enough_to_subtract_it(bits):
-    rng = np.random.default_rng(bits + 1)
-    q = rng.integers(0, 1 << bits, (64, 32 // bits), dtype=np.uint32)
-    q[0], q[1] = 0, (1 << bits) - 1
-    for j, (f, c) in enumerate(qm._fields_offset(jnp.asarray(quant.pack(q, bits)), bits)):
-        assert c <= 2.0**-12  # the field sits at bit >= 12: 2^23 is at most 2^11 times its unit
-        np.testing.assert_array_equal((np.asarray(f)[:, 0] - 2.0**23) * c, q[:, j].astype(np.float32))
-
-
-@pytest.mark.parametrize("m,bits,group_size", [(1, 4, 64), (6, 8, 32), (17, 4, 128)])
-def test_interpret_gemv_offset_fold_matches_reference(m, bits, group_size):
-    rng = np.random.default_rng(m * bits)
-    k = 8 * group_size
-    mlx, gemv = _gemv(rng, 32, k, bits, group_size, jnp.float32)
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
-    bs = dataclasses.replace(GEMV, fold=True, offset=True, x_f32=True, x_scalar=False)
-    y = qm.qmatmul_gemv(x, *gemv, bits=bits, group_size=group_size, block_sizes=bs, interpret=True)
-    assert _rel_err(y, qm.reference(x, *mlx, bits=bits, group_size=group_size)) < 2e-4  # ~8 bits of f32 lost
-
-
-@pytest.mark.parametrize("n", [48, 80, 1024])
-def test_interpret_gemv_default_block_sizes_match_reference_in_bf16(n):
-    rng = np.random.default_rng(n)
-    mlx, gemv = _gemv(rng, n, 512, 4, 64, jnp.bfloat16)
-    x = jnp.asarray(rng.standard_normal((3, 512)), jnp.bfloat16)
-    y = qm.qmatmul_gemv(x, *gemv, interpret=True)
-    assert y.dtype == jnp.bfloat16 and _rel_err(y, qm.reference(x, *mlx)) < 1e-2
-
-
-@pytest.mark.parametrize("x_scalar", [True, False])
-def test_interpret_gemv_rows_bit_identical_whatever_m_and_neighbours(x_scalar):
-    rng = np.random.default_rng(2)
-    _, gemv = _gemv(rng, 32, 1024, 4, 64, jnp.float32)
-    bs = dataclasses.replace(GEMV, x_scalar=x_scalar)
-    f = lambda x: np.asarray(qm.qmatmul_gemv(x, *gemv, block_sizes=bs, interpret=True))
-    x = jnp.asarray(rng.standard_normal((9, 1024)), jnp.float32)
-    alone = np.stack([f(x[i : i + 1])[0] for i in range(9)])
-    for m in (2, 3, 9):  # 9: two full 4-row programs and a ragged one
-        others = jnp.asarray(rng.standard_normal((m, 1024)), jnp.float32)
-        for start in range(0, 9, m):
-            idx = np.arange(start, min(start + m, 9))
-            np.testing.assert_array_equal(f(others.at[: len(idx)].set(x[idx]))[: len(idx)], alone[idx], err_msg=f"{m=}")
-
-
-def test_interpret_gemv_fold_rows_bit_identical_whatever_m():
-    rng = np.random.default_rng(8)
-    _, gemv = _gemv(rng, 32, 1024, 4, 64, jnp.float32)
-    for bs in (dataclasses.replace(GEMV, fold=True, x_scalar=False),
-               dataclasses.replace(GEMV, fold=True, offset=True, x_scalar=False)):
-        f = lambda x, bs=bs: np.asarray(qm.qmatmul_gemv(x, *gemv, block_sizes=bs, interpret=True))
-        x = jnp.asarray(rng.standard_normal((6, 1024)), jnp.float32)
-        alone = np.stack([f(x[i : i + 1])[0] for i in range(6)])
-        np.testing.assert_array_equal(f(x), alone)
-
-
-def test_gemv_block_sizes_depend_on_weight_shape_only():
-    for n, k in [(17408, 5120), (5120, 17408), (12288, 5120), (1024, 5120), (5120, 6144)]:
-        bs = qm.GemvBlockSizes.for_weight(n, k, 4, 64)
-        assert n % bs.block_n == 0 and (k // 64) % (bs.split_k * bs.groups_per_step) == 0
-        assert bs.split_k * 8 <= 0.1 * k / 2  # f32 partials under 10% of the weight's bytes, per row
-        if n >= 5120:
-            assert (n // bs.block_n) * bs.split_k * bs.num_warps >= 1024, (n, k, bs)  # ~8 warps per SM
-    assert qm.GemvBlockSizes.for_weight(17408, 5120, 4, 64).block_n == 512  # 4 outputs x 128 threads
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,bits,group_size", [(1, 4, 64), (17, 4, 32), (5, 4, 128), (16, 8, 64), (129, 4, 64)])
 def test_gpu_tiled_matches_reference(m, bits, group_size):
@@ -549,39 +423,3 @@ def test_gpu_tiled_rows_1_to_128_bit_identical():
     f = lambda x: np.asarray(qm.qmatmul_tiled(x, *tiled)).view(np.uint16)
     x = jnp.asarray(rng.standard_normal((128, 6144)), jnp.bfloat16)
     _assert_rows_alone_equal_rows_in_batches(f, x, (2, 5, 16, 33, 128), rng)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 13, 64])
-def test_gpu_gemv_matches_reference(m):
-    rng = np.random.default_rng(m)
-    mlx, gemv = _gemv(rng, 5120, 4096, 4, 64, jnp.bfloat16)
-    x = jnp.asarray(rng.standard_normal((m, 4096)), jnp.bfloat16)
-    assert _rel_err(qm.qmatmul_gemv(x, *gemv), qm.reference(x, *mlx)) < 1e-2
-
-
-@pytest.mark.gpu
-def test_gpu_gemv_rows_bit_identical_whatever_m():
-    rng = np.random.default_rng(10)
-    _, gemv = _gemv(rng, 5120, 6144, 4, 64, jnp.bfloat16)
-    f = lambda x: np.asarray(qm.qmatmul_gemv(x, *gemv)).view(np.uint16)
-    x = jnp.asarray(rng.standard_normal((64, 6144)), jnp.bfloat16)
-    _assert_rows_alone_equal_rows_in_batches(f, x, (2, 5, 16, 17, 64), rng)
-
-
-@pytest.mark.parametrize("m,bits,group_size,ahead", [(1, 4, 64, 1), (6, 8, 32, 2), (9, 4, 128, 2), (2, 4, 64, 5)])
-def test_interpret_gemv_prefetch_is_bit_identical_to_loading_in_step(m, bits, group_size, ahead):
-    """Loading the next group one step ahead moves loads only: the same FMAs in the same order."""
-    rng = np.random.default_rng(m + 40)
-    k = 8 * group_size
-    mlx, gemv = _gemv(rng, 32, k, bits, group_size, jnp.float32)
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
-    plain = dataclasses.replace(GEMV, groups_per_step=1, x_scalar=True)
-    early = dataclasses.replace(plain, prefetch=ahead)  # 5: more groups ahead than a split's 4 steps
-    y = qm.qmatmul_gemv(x, *gemv, bits=bits, group_size=group_size, block_sizes=early, interpret=True)
-    want = qm.qmatmul_gemv(x, *gemv, bits=bits, group_size=group_size, block_sizes=plain, interpret=True)
-    np.testing.assert_array_equal(y, want)
-    assert _rel_err(y, qm.reference(x, *mlx, bits=bits, group_size=group_size)) < 1e-5
-    with pytest.raises(ValueError, match="needs x_scalar=True and groups_per_step=1"):
-        qm.qmatmul_gemv(x, *gemv, bits=bits, group_size=group_size,
-                        block_sizes=dataclasses.replace(early, groups_per_step=2), interpret=True)

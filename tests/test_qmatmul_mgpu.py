@@ -87,7 +87,7 @@ def test_words_layout_puts_each_word_where_the_operand_keeps_its_two_inputs():
 
 
 @pytest.mark.parametrize("n,k,kw", [(17408, 5120, {}), (5120, 17408, dict(unpack="halves")), (5120, 17408, {}),
-                                    (17408, 5120, dict(stages=3, probe="no_dequant")),
+                                    (17408, 5120, dict(stages=3)),
                                     (17408, 5120, dict(operand="smem", block_m=16)), (5120, 17408, dict(block_m=16)),
                                     (17408, 5120, dict(block_m=64)), (17408, 5120, dict(pad_rows=True)),
                                     (5120, 17408, dict(out="cols"))])
@@ -129,8 +129,6 @@ def test_bad_inputs_raise_naming_the_value():
         mg.qmatmul_pairs(x, words, packed.astype(jnp.int32), interpret=True)
     with pytest.raises(ValueError, match="block_m=8"):
         mg.qmatmul_pairs(x, words, packed, block_sizes=mg.BlockSizes(operand="smem", block_m=8), interpret=True)
-    with pytest.raises(ValueError, match="unknown probe"):
-        mg.qmatmul_pairs(x, words, packed, block_sizes=mg.BlockSizes(probe="fast"), interpret=True)
     with pytest.raises(ValueError, match="unpack 'nibbles'"):
         mg.qmatmul_pairs(x, words, packed, block_sizes=mg.BlockSizes(unpack="nibbles"), interpret=True)
     with pytest.raises(ValueError, match="out 'both'"):

@@ -83,16 +83,13 @@ def test_unknown_model_name_is_a_clear_error():
 # the Pallas kernels and the jnp reference path agree on a real model's greedy tokens. Different summation
 # orders, so this holds where the model's top logits are clear, as on a real model's fixed prompt.
 @pytest.mark.gpu
-def test_gpu_kernels_give_the_reference_paths_tokens_on_a_real_model():
+def test_gpu_kernels_give_the_reference_paths_tokens_on_a_real_model(monkeypatch):
     import os
 
     from tfjax import ops
 
     path = os.environ.get("TFJAX_GPU_MODEL") or pytest.fail("set TFJAX_GPU_MODEL to a staged model folder")
     kernels = api.load(path, lanes=1, copies=False).generate(CODE_EDIT, max_tokens=32, ignore_eos=True)
-    ops.set_kernels("reference")
-    try:
-        reference = api.load(path, lanes=1, copies=False).generate(CODE_EDIT, max_tokens=32, ignore_eos=True)
-    finally:
-        ops.set_kernels("auto")
+    monkeypatch.setattr(ops, "_FORCE", "reference")  # `Kernels.default()` of the next load: the references
+    reference = api.load(path, lanes=1, copies=False).generate(CODE_EDIT, max_tokens=32, ignore_eos=True)
     assert kernels.token_ids == reference.token_ids, (kernels.text, reference.text)

@@ -71,9 +71,11 @@ class LLM:
                 draft_model = dflash2_checkpoint.load(draft_path, dtype=dtype, target=self.config)
             else:
                 draft_model, _ = checkpoint.load(draft_path, dtype=dtype, progress=True)
-        if ops.use_kernels():  # GPU serving layout (target and drafter), once here: fused projections, kernel packing
-            for m in (self.model, draft_model):
-                if m is not None:
+        kernels = ops.Kernels.default()  # the GPU's kernels, else the references: static, in each model's graphdef
+        for m in (self.model, draft_model):
+            if m is not None:
+                m.kernels = kernels
+                if kernels.pallas:  # the GPU serving layout, once here: fused projections, kernel packing
                     serving_layout(m)
         self.lanes = LaneConfig(capacity=lanes, width=width, context=context)
         eos = tuple(self.tokenizer.eos_ids) or self.config.eos_token_id

@@ -1,185 +1,140 @@
 """The one dispatch point for heavy ops: a Pallas kernel on GPU, the jax.numpy reference elsewhere.
 
-Row invariance: on the reference path a matmul over "rows" is computed in fixed tiles of `ROW_TILE`
-rows, so a row's result depends only on its own values and the weight's shape, never on how many
-rows share the call or where it sits among them.
+Which one runs is a frozen `Kernels` config, a model's static attribute (part of its graphdef, so of every jitted
+entry point's compile key: a change recompiles instead of reusing a trace). A model's forward makes its `Kernels`
+the active one for the ops it traces (`using`); nothing here reads the environment while tracing.
+
+Row invariance: on the reference path a matmul over "rows" is computed in fixed tiles of rows
+(`pallas_kernels.fenced`), so a row's result depends only on its own values and the weight's shape, never on how
+many rows share the call or where it sits among them. Every kernel is row-invariant by construction.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
+import functools
 import math
 import os
 
 import jax
 import jax.numpy as jnp
 
-ROW_TILE = 8
-GPU_ROW_TILE = 64  # rows per tile on GPU, where a tile is one loop iteration of its own (see `fenced_map`)
-KERNEL_MAX_ROWS = 64
+from pallas_kernels import attention as pk
+from pallas_kernels import attention_mgpu as mgpu_attn
+from pallas_kernels import causal_conv as cc
+from pallas_kernels import fenced, qmatmul_mgpu, quant
+from pallas_kernels import flash_attention as fa
+from pallas_kernels import gated_delta as gdk
+from pallas_kernels import gated_delta_chunked as gdc
+from pallas_kernels import matmul as mm
+from pallas_kernels import qmatmul as qk
+from pallas_kernels import row_norm as rn
+from pallas_kernels.attention import KVPages, gather_pages  # noqa: F401  (the models' cache pages)
 
-_FORCE = os.environ.get("TFJAX_KERNELS", "auto")  # auto | kernel | reference
-
-
-def use_kernels() -> bool:
-    """True when the Pallas kernels should run (GPU backend, unless forced off)."""
-    if _FORCE == "reference":
-        return False
-    if _FORCE == "kernel":
-        return True
-    return jax.default_backend() == "gpu"
-
-
-def flash_prompts() -> bool:
-    """Prompt chunks through the flash kernel on GPU (default; `TFJAX_FLASH=0` keeps them on the paged kernel)."""
-    return os.environ.get("TFJAX_FLASH", "1") != "0"
+KERNEL_MAX_ROWS = 64  # prompt rows up to which an MLX-layout 4-bit product takes the kernel (XLA's dot beyond)
 
 
-def norm_kernel() -> bool:
-    """Lane-round row norms and DeltaNet's conv through one-row-per-program Pallas kernels on GPU (default;
-    `TFJAX_NORM_KERNEL=0` keeps the fixed-tile loops)."""
-    return use_kernels() and os.environ.get("TFJAX_NORM_KERNEL", "1") != "0"
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """The implementation choices, one field per real choice; the defaults are the measured winners
+    (docs/benchmarks.md).
+
+    pallas: the Pallas kernels (a GPU, or the interpreter in tests) where they serve the shape, else the jax.numpy
+        references; losing kernel variants were deleted, so this is the one switch for the GPU path.
+    delta_chunked: prompt chunks' DeltaNet through the chunked Pallas kernel (two launches a layer) instead of
+        XLA's scan over chunks; experimental, off until a GPU shows it wins
+        (`scripts/bench_graph.py --sections base,delta_prompt,prefill`).
+    """
+
+    pallas: bool = False
+    delta_chunked: bool = False
+
+    @classmethod
+    def default(cls) -> Kernels:
+        """Kernels on a GPU backend, references elsewhere; `TFJAX_KERNELS=reference|kernel` forces either (read once,
+        when this module loads)."""
+        if _FORCE not in ("auto", "kernel", "reference"):
+            raise ValueError(f"TFJAX_KERNELS must be auto, kernel or reference, got {_FORCE!r}")
+        if _FORCE == "auto":
+            return cls(pallas=jax.default_backend() == "gpu")
+        return cls(pallas=_FORCE == "kernel")
 
 
-def dense_kernel() -> bool:
-    """Lane-round rows of dense (unquantized) weights through the fixed-tile Pallas matmul on GPU (default;
-    `TFJAX_DENSE_KERNEL=0` keeps the 64-row tile loop)."""
-    return use_kernels() and os.environ.get("TFJAX_DENSE_KERNEL", "1") != "0"
+_FORCE = os.environ.get("TFJAX_KERNELS", "auto")
+REFERENCE = Kernels(pallas=False)
+PALLAS = Kernels(pallas=True)
+_ACTIVE: contextvars.ContextVar[Kernels | None] = contextvars.ContextVar("tfjax_kernels", default=None)
 
 
-def fuse_projections() -> bool:
-    """Sibling projections fused into one matmul in the GPU serving layout (default; `TFJAX_FUSE=0` keeps them apart)."""
-    return use_kernels() and os.environ.get("TFJAX_FUSE", "1") != "0"
+def active() -> Kernels:
+    """The Kernels of the forward being traced (`using`); `Kernels.default()` outside one."""
+    k = _ACTIVE.get()
+    return Kernels.default() if k is None else k
 
 
-def delta_kernel() -> bool:
-    """Gated DeltaNet rows through the Pallas recurrence on GPU (default since it beat XLA's loop on the H200,
-    dense27 decode 29.4 -> 31.0 tok/s; `TFJAX_DELTA_KERNEL=0` keeps XLA's)."""
-    return use_kernels() and os.environ.get("TFJAX_DELTA_KERNEL", "1") != "0"
+@contextlib.contextmanager
+def using(kernels: Kernels):
+    """Make `kernels` the active choice for the ops traced inside (a model's forward: `CausalLM.__call__`)."""
+    if not isinstance(kernels, Kernels):
+        raise TypeError(f"want an ops.Kernels, got {kernels!r}")
+    token = _ACTIVE.set(kernels)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
 
 
-def delta_chunked_kernel() -> bool:
-    """Prompt chunks' DeltaNet through the chunked Pallas kernel on GPU, two launches a layer (`TFJAX_DELTA_CHUNKED=1`;
-    off until a GPU shows it beats XLA's scan: `scripts/bench_graph.py --sections base,delta_prompt,prefill`)."""
-    return use_kernels() and os.environ.get("TFJAX_DELTA_CHUNKED", "0") == "1"
+def own_kernels(method):
+    """A module method traced with its module's `kernels` attribute active (a drafter's entry points)."""
+
+    @functools.wraps(method)
+    def traced(self, *args, **kwargs):
+        with using(self.kernels):
+            return method(self, *args, **kwargs)
+
+    return traced
 
 
-def delta_fused() -> bool:
-    """Lane-round DeltaNet rows through the two fused kernels on GPU (`causal_conv.conv_silu_window`, then
-    `gated_delta.recurrent_qkv`: conv tail, taps, norms, head repeats and casts inside them; default);
-    `TFJAX_DELTA_FUSED=0` keeps the separate conv, norms and recurrence."""
-    return delta_kernel() and norm_kernel() and os.environ.get("TFJAX_DELTA_FUSED", "1") != "0"
+def _gpu() -> bool:
+    return active().pallas
 
 
-def pair_layout() -> bool:
-    """4-bit Linears repacked into `quant.to_pair_layout` for the tiled kernel's bf16 pair unpack on GPU (default
-    since it beat the kernel layout's I2F unpack on the H200, dense27 decode 31.5 -> 38.1 tok/s; `TFJAX_PAIRS=0`
-    keeps the kernel layout)."""
-    return use_kernels() and os.environ.get("TFJAX_PAIRS", "1") != "0"
-
-
-def pack_scales() -> bool:
-    """Pair-layout Linears keep bf16 scales and biases as one uint32 array (`quant.pack_scale_bias`): one load a
-    column for both, 100 -> 85 registers in the kernel (default; `TFJAX_PACK_SCALES=0` keeps them apart)."""
-    return os.environ.get("TFJAX_PACK_SCALES", "1") != "0"
-
-
-def mgpu_qmatmul() -> bool:
-    """Packed pair-layout Linears through the Mosaic GPU kernel (`pallas_kernels.qmatmul_mgpu`; default) instead
-    of the Triton one (`TFJAX_QMATMUL_MGPU=0`): 23.3 against 31.6 us at 17408x5120 on the H200."""
-    return os.environ.get("TFJAX_QMATMUL_MGPU", "1") == "1"
-
-
-def mgpu_attention() -> bool:
-    """Lane-round attention through the Mosaic GPU paged kernel (`pallas_kernels.attention_mgpu`, TMA-fed key
-    tiles) where it serves the shape, else the Triton one (`TFJAX_ATTENTION_MGPU=0` forces Triton). On by
-    measurement: 1.4-1.9x the Triton kernel at 2k-64k with its combine kernel (H100, docs/benchmarks.md, twelfth
-    run)."""
-    return os.environ.get("TFJAX_ATTENTION_MGPU", "1") == "1"
-
-
-def attention_interleave() -> bool:
-    """The Mosaic GPU attention's key chunks dealt round-robin to a fixed set of programs (default), so a short
-    context in a wide page table runs on every SM, instead of chunks sized by the span (`TFJAX_ATTENTION_INTERLEAVE=0`):
-    2k keys in a 64k span 15.9 us against 65.7, dense27 decode there 8.21 ms against 9.00; 0-4% slower at a span
-    the context fills (H100, docs/benchmarks.md, thirteenth run)."""
-    return os.environ.get("TFJAX_ATTENTION_INTERLEAVE", "1") == "1"
-
-
-def set_kernels(mode: str) -> None:
-    """Force `kernel`, `reference` or `auto` dispatch (takes effect for new traces)."""
-    global _FORCE
-    if mode not in ("auto", "kernel", "reference"):
-        raise ValueError(f"kernel mode must be auto, kernel or reference, got {mode!r}")
-    _FORCE = mode
-
-
-def _dot_t(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., in] @ w[out, in].T with f32 accumulation, result in x.dtype."""
-    y = jax.lax.dot_general(x, w.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32)
-    return y.astype(x.dtype)
+# --- row-invariant loops (`pallas_kernels.fenced`) with the active choice ---
 
 
 def opaque_count(n: jax.Array | int) -> jax.Array:
-    """A loop bound XLA cannot fold on the reference path (see `fenced_map`); the plain value with kernels."""
-    n = jnp.asarray(n, jnp.int32)
-    return n if use_kernels() else jax.lax.optimization_barrier(n)
+    """A loop bound XLA cannot fold on the reference path; the plain value with kernels."""
+    return fenced.opaque_count(n, gpu=_gpu())
 
 
 def fenced_map(fn, xs):
-    """`lax.map` whose trip count XLA cannot see (reference path): one iteration stays a loop body of its own.
-
-    XLA inlines a loop it knows runs once and then fuses its body with the neighbours, which changes the
-    arithmetic of reductions; a row computed alone would then differ from the same row among others.
-    """
-    n = jax.tree.leaves(xs)[0].shape[0]
-    if use_kernels():  # GPU: a known trip count (no host syncs), never 1, so XLA keeps the body a loop of its own
-        if n >= 2:
-            return jax.lax.map(fn, xs)
-        twice = jax.tree.map(lambda a: jnp.concatenate([a, a]), xs)
-        return jax.tree.map(lambda a: a[:n], jax.lax.map(fn, twice))
-    first = jax.eval_shape(fn, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), xs))
-    out = jax.tree.map(lambda s: jnp.zeros((n, *s.shape), s.dtype), first)
-    trips = opaque_count(n)
-
-    def body(i, out):
-        y = fn(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), xs))
-        return jax.tree.map(lambda o, v: jax.lax.dynamic_update_index_in_dim(o, v, i, 0), out, y)
-
-    return jax.lax.fori_loop(0, trips, body, out)
+    """`lax.map` whose single iteration XLA never inlines (`fenced.fenced_map`)."""
+    return fenced.fenced_map(fn, xs, gpu=_gpu())
 
 
 def row_tiled(fn, x: jax.Array, tile: int | None = None) -> jax.Array:
     """Apply fn (rows [tile, in] -> [tile, out]) over fixed row tiles, so each row's arithmetic is fixed."""
-    tile = tile or (GPU_ROW_TILE if use_kernels() else ROW_TILE)
-    lead, d = x.shape[:-1], x.shape[-1]
-    rows = x.reshape(-1, d)
-    m = rows.shape[0]
-    pad = (-m) % tile
-    rows = jnp.pad(rows, ((0, pad), (0, 0)))
-    tiles = rows.reshape(-1, tile, d)
-    out = fenced_map(fn, tiles)
-    out = out.reshape(-1, out.shape[-1])[:m]
-    return out.reshape(*lead, out.shape[-1])
+    return fenced.row_tiled(fn, x, gpu=_gpu(), tile=tile)
 
 
 def rowwise(fn, x: jax.Array, rows: bool) -> jax.Array:
     """fn over the last axis; with `rows`, in fixed row tiles (reductions never see M)."""
-    if rows:
-        return row_tiled(fn, x)
-    return fn(x)
+    return fenced.rowwise(fn, x, rows, gpu=_gpu())
+
+
+# --- norms and conv ---
 
 
 def row_norm(x: jax.Array, weight: jax.Array | None = None, z: jax.Array | None = None, *, kind: str, eps: float,
              rows: bool = False) -> jax.Array:
     """RMSNorm / gated RMSNorm / L2 norm over the last axis (`pallas_kernels.row_norm` names the kinds).
 
-    Lane-round rows take the one-row-per-program kernel on GPU (row-invariant, one launch); elsewhere the
-    reference, in fixed row tiles when `rows` (a gate rides beside its row so one loop does both)."""
-    from pallas_kernels import row_norm as rn
-
+    Lane-round rows take the one-row-per-program kernel (row-invariant, one launch); elsewhere the reference, in
+    fixed row tiles when `rows` (a gate rides beside its row so one loop does both)."""
     d = x.shape[-1]
-    if rows and norm_kernel():
+    if rows and _gpu():
         flat = (lambda a: None if a is None else a.reshape(-1, d))
         return rn.row_norm(flat(x), weight, flat(z), kind=kind, eps=eps).reshape(x.shape)
     if z is None:
@@ -203,65 +158,171 @@ def add_norm(x: jax.Array, parts: jax.Array, weight: jax.Array, *, kind: str, ep
 def conv_silu(taps: jax.Array, weight: jax.Array, *, rows: bool = False) -> jax.Array:
     """DeltaNet's depthwise causal conv + silu: taps [..., K, C], weight [C, K] -> [..., C].
 
-    Lane-round rows take the one-row-per-program kernel on GPU; elsewhere the reference, in fixed row tiles
-    when `rows`."""
-    from pallas_kernels import causal_conv as cc
-
+    Lane-round rows take the one-row-per-program kernel; elsewhere the reference, in fixed row tiles when `rows`."""
     *lead, k, c = taps.shape
-    if rows and norm_kernel():
+    if rows and _gpu():
         return cc.conv_silu(taps.reshape(-1, k, c), weight).reshape(*lead, c)
     return rowwise(lambda r: cc.reference(r.reshape(*r.shape[:-1], k, c), weight), taps.reshape(*lead, k * c), rows)
 
 
-def matmul(x: jax.Array, w: jax.Array, *, rows: bool = False) -> jax.Array:
-    """x [..., in] @ w[out, in].T; `rows` asks for row-invariant arithmetic (lane rounds)."""
-    if rows:
-        from pallas_kernels import matmul as mm
+# --- Gated DeltaNet ---
 
-        if dense_kernel() and mm.supports(*w.shape):
-            return mm.matmul(x, w)  # one launch; tiles fixed by the weight's shape
+
+def delta_fused() -> bool:
+    """Whether lane-round DeltaNet rows take the two fused kernels (`conv_silu_window`, then `recurrent_qkv`: conv
+    tail, taps, norms, head repeats and casts inside them), which beat the separate conv, norms and recurrence."""
+    return _gpu()
+
+
+def conv_silu_window(tail: jax.Array, rows: jax.Array, weight: jax.Array, count: jax.Array):
+    """The fused conv of lane-round rows [B, T, C] after the tail [B, K-1, C]: (conv out [B, T, C], the next tail)."""
+    return cc.conv_silu_window(tail, rows, weight, count)
+
+
+def split_qkv(qkv: jax.Array, key_heads: int, dk: int, hv: int, *, rows: bool = False, eps: float = 1e-6):
+    """The recurrent step's q, k, v from the conv output (`gated_delta.split_qkv`), norms through `row_norm`."""
+    return gdk.split_qkv(qkv, key_heads, dk, hv, eps=eps,
+                         l2_norm=lambda a, eps: row_norm(a, kind="l2", eps=eps, rows=rows))
+
+
+def recurrent(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
+              count: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """The recurrent step over rows: the Pallas recurrence for head dims it takes, else the reference.
+
+    Rows at or past a lane's `count` leave its state alone; their outputs are not to be read.
+    """
+    if _gpu() and gdk.supports(k.shape[-1], v.shape[-1]):
+        return gdk.recurrent(state, q, k, v, g, beta, count)
+    return gdk.recurrent_reference(state, q, k, v, g, beta, count, gpu=_gpu())
+
+
+def recurrent_qkv(state: jax.Array, qkv: jax.Array, g: jax.Array, beta: jax.Array, count: jax.Array | None = None,
+                  *, out_dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+    """`recurrent` fed by the conv output qkv [B, T, 2 Hk Dk + Hv Dv] (q and k normalised on the way): the fused
+    kernel with kernels on, else `split_qkv` then the reference; out [B, T, Hv, Dv] in out_dtype."""
+    _, hv, dk, dv = state.shape
+    key_heads = (qkv.shape[-1] - hv * dv) // (2 * dk)
+    if _gpu() and gdk.supports(dk, dv):
+        return gdk.recurrent_qkv(state, qkv, g, beta, count, key_heads=key_heads, out_dtype=out_dtype)
+    q, k, v = split_qkv(qkv, key_heads, dk, hv, rows=True)  # lane rounds only: row-tiled norms
+    state, out = gdk.recurrent_reference(state, q, k, v, g, beta, count, gpu=_gpu())
+    return state, out.astype(out_dtype)
+
+
+def chunked(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
+            chunk: int = 64) -> tuple[jax.Array, jax.Array]:
+    """The prompt form: the chunked Pallas kernel when `Kernels.delta_chunked` (experimental), else XLA's scan
+    over chunks (`gated_delta_chunked.reference`)."""
+    kn = active()
+    if kn.pallas and kn.delta_chunked and gdc.supports(k.shape[-1], v.shape[-1]):
+        return gdc.chunked(state, q, k, v, g, beta, block_sizes=gdc.BlockSizes(chunk=chunk))
+    return gdc.reference(state, q, k, v, g, beta, chunk)
+
+
+# --- attention ---
+
+
+def mosaic_attention_serves(head_dim: int, page: int, q_dtype, kv_dtype) -> bool:
+    """Whether lane-round rows take the Mosaic GPU attention (TMA-fed key tiles; 1.4-1.9x the Triton kernel at
+    2k-64k keys, H100): q and pages of one dtype the kernel serves."""
+    return q_dtype == kv_dtype and mgpu_attn.supports(head_dim, page, q_dtype)
+
+
+MOSAIC_ATTENTION_BLOCKS = mgpu_attn.BlockSizes(interleave=True)  # chunks dealt round-robin: a short context in a
+# wide page table runs on every SM (2k keys in a 64k span 15.9 against 65.7 us, H100)
+
+
+def paged_attention(q: jax.Array, pages: KVPages, page_table: jax.Array, positions: jax.Array,
+                    rows: bool = False) -> jax.Array:
+    """Attention of q rows over a lane's pages.
+
+    With kernels, a prompt chunk gathers the lane's keys and takes the causal flash kernel (6-10x the paged kernel
+    on the H200); lane-round rows (decode, verify) take the row-invariant Mosaic GPU paged kernel, or the Triton one
+    for dtypes and page sizes it lacks (f32, tests); head dims no kernel takes fall back to the reference.
+    """
+    e = q.shape[-1]
+    if _gpu():
+        if not rows and e in fa.HEAD_DIMS:
+            k, v = gather_pages(pages, page_table)
+            return fa.flash_attention(q, k, v, positions)
+        if mosaic_attention_serves(e, pages.k.shape[1], q.dtype, pages.k.dtype):
+            return mgpu_attn.paged_attention(q, pages.k, pages.v, page_table, positions,
+                                             block_sizes=MOSAIC_ATTENTION_BLOCKS)
+        if pk.supports(e):
+            return pk.paged_attention(q, pages.k, pages.v, page_table, positions)
+    k, v = gather_pages(pages, page_table)
+    return pk.attention_reference(q, k, v, positions, rows, gpu=_gpu())
+
+
+# --- linears ---
+
+
+def _dot_t(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., in] @ w[out, in].T with f32 accumulation, result in x.dtype."""
+    y = jax.lax.dot_general(x, w.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
+
+
+def matmul(x: jax.Array, w: jax.Array, *, rows: bool = False) -> jax.Array:
+    """x [..., in] @ w[out, in].T; `rows` asks for row-invariant arithmetic (lane rounds): the fixed-tile Pallas
+    matmul with kernels (one launch; tiles fixed by the weight's shape), else fixed row tiles of XLA dots."""
+    if rows:
+        if _gpu() and mm.supports(*w.shape):
+            return mm.matmul(x, w)
         return row_tiled(lambda t: _dot_t(t, w), x)
     return _dot_t(x, w)
+
+
+def qmatmul_path(n: int, k: int, *, bits: int, group_size: int, layout: str, packed: bool, row_count: int,
+                 rows: bool, kernels: Kernels | None = None) -> str:
+    """Which implementation `qmatmul` takes for a weight [N, K] in `layout` (what the dispatch decides from shapes
+    alone): "mosaic" (packed 4-bit pairs, whole column blocks: the winner), "tiled" (the Triton kernel for the
+    kernel and pair layouts it does not serve), "mlx" (the Triton kernel on MLX words), or "reference" (XLA's
+    dequantize-then-dot)."""
+    kn = kernels or active()
+    if not kn.pallas:
+        return "reference"
+    if layout in ("kernel", "pairs"):
+        if not (rows or row_count <= KERNEL_MAX_ROWS):
+            return "reference"
+        if packed and qmatmul_mgpu.BlockSizes.serves(n, k, group_size):
+            return "mosaic"
+        return "tiled"
+    if row_count <= KERNEL_MAX_ROWS and qk.supports(n, k, bits, group_size):  # prompts: XLA's dot is faster
+        return "mlx"
+    return "reference"
 
 
 def qmatmul(x: jax.Array, weight: jax.Array, scales: jax.Array, biases: jax.Array | None, *, bits: int,
             group_size: int, rows: bool = False, layout: str = "mlx", parts: bool = False) -> jax.Array:
     """x [..., in] @ dequant(weight)[out, in].T for MLX affine weights, in the MLX, kernel or pair layout.
 
-    Kernel or pair layout (`quant.to_kernel_layout`, `quant.to_pair_layout`): on GPU the row-invariant tiled
-    kernel for lane-round rows (any count) and for up to `KERNEL_MAX_ROWS` prompt rows; XLA's
+    Kernel or pair layout (`quant.to_kernel_layout`, `quant.to_pair_layout`): the row-invariant kernels for
+    lane-round rows (any count) and for up to `KERNEL_MAX_ROWS` prompt rows (`qmatmul_path`); XLA's
     dequantize-then-dot elsewhere. `biases=None`: `scales` holds both (`quant.pack_scale_bias`).
     `parts`: the product as partial sums [S, ..., out] for the consumer to sum in order (`add_norm`): the Mosaic
     kernel's K-split partials (f32), else the product itself as S = 1.
     """
-    lead = x.shape[:-1]
+    lead, k, n = x.shape[:-1], x.shape[-1], weight.shape[0]
     done = (lambda y: y[None]) if parts else (lambda y: y)  # one partial sum: the product
+    path = qmatmul_path(n, k, bits=bits, group_size=group_size, layout=layout, packed=biases is None,
+                        row_count=math.prod(lead), rows=rows)
+    if path == "mosaic":
+        if parts:
+            return qmatmul_mgpu.qmatmul_parts(x, weight, scales)
+        return qmatmul_mgpu.qmatmul_pairs(x, weight, scales)
+    if path == "tiled":
+        bs = qk.TiledBlockSizes.for_layout(n, k, bits, group_size, layout)
+        return done(qk.qmatmul_tiled(x, weight, scales, biases, bits=bits, group_size=group_size, block_sizes=bs))
+    if path == "mlx":
+        y = qk.qmatmul(x.reshape(-1, k), weight, scales, biases, bits=bits, group_size=group_size)
+        return done(y.reshape(*lead, y.shape[-1]))
     if layout in ("kernel", "pairs"):
-        if use_kernels() and (rows or math.prod(lead) <= KERNEL_MAX_ROWS):
-            from pallas_kernels import qmatmul as qk
-
-            if biases is None and mgpu_qmatmul():
-                from pallas_kernels import qmatmul_mgpu
-
-                if qmatmul_mgpu.BlockSizes.serves(weight.shape[0], x.shape[-1], group_size):
-                    if parts:
-                        return qmatmul_mgpu.qmatmul_parts(x, weight, scales)
-                    return qmatmul_mgpu.qmatmul_pairs(x, weight, scales)
-            bs = qk.TiledBlockSizes.for_layout(weight.shape[0], x.shape[-1], bits, group_size, layout)
-            return done(qk.qmatmul_tiled(x, weight, scales, biases, bits=bits, group_size=group_size, block_sizes=bs))
-        from tfjax import quant
-
         if biases is None:
             scales, biases = quant.unpack_scale_bias(scales)
         unpacked = quant.dequantize_kernel_layout if layout == "kernel" else quant.dequantize_pair_layout
         w = unpacked(weight, scales, biases, bits=bits, group_size=group_size, dtype=x.dtype)
-        return done(matmul(x, w, rows=rows))
-    if use_kernels() and math.prod(lead) <= KERNEL_MAX_ROWS:  # prompts: XLA's dequantize-then-dot is faster
-        from pallas_kernels import qmatmul as qk
-
-        y = qk.qmatmul(x.reshape(-1, x.shape[-1]), weight, scales, biases, bits=bits, group_size=group_size)
-        return done(y.reshape(*lead, y.shape[-1]))
-    from tfjax import quant
-
-    w = quant.dequantize(weight, scales, biases, bits=bits, group_size=group_size, dtype=x.dtype)
+    else:
+        w = quant.dequantize(weight, scales, biases, bits=bits, group_size=group_size, dtype=x.dtype)
     return done(matmul(x, w, rows=rows))

@@ -21,20 +21,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tfjax import ops
 from tfjax.config import ModelConfig, QuantConfig
 from tfjax.lanes.drafter import Facts, copy_match_for
-from tfjax.models.layers import (
-    MLP,
-    Embedding,
-    KVPages,
-    Linear,
-    RMSNorm,
-    gather_pages,
-    projections,
-    rotary,
-    write_pages,
-)
-from tfjax.models.qwen3_5 import Cache
+from tfjax.models.decoder import Cache
+from tfjax.models.layers import MLP, Embedding, Linear, RMSNorm, projections, rotary, write_pages
+from tfjax.ops import KVPages, gather_pages
 
 DROP = 2**30  # a position no page holds: writes there are dropped
 
@@ -161,7 +153,7 @@ def check_fits(drafter: DFlashConfig, target: ModelConfig) -> None:
 
 def facts_for(drafter: DFlashConfig, target: ModelConfig, long_match: int = 20) -> Facts:
     """DFlash2's facts beside `target`: copy match `long_match` on the dense 27B (0 elsewhere), B-1 proposals."""
-    return Facts(copy_match=copy_match_for(target, long_match), block=drafter.block_size - 1)
+    return Facts(copy_match=copy_match_for(target, long_match), block=drafter.block_size - 1, kind="block")
 
 
 def _quant_for(config: DFlashConfig):
@@ -325,7 +317,8 @@ class DFlashDrafter(nnx.Module):
         self.layers = nnx.List([DraftLayer(c, i, qf, rngs=rngs) for i in range(c.num_hidden_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, offset=False, dtype=dt)
         self.candidate_selector = CandidateSelector(c, qf, rngs=rngs) if c.dflash2 else None
-        self.facts = Facts(block=c.block_size - 1)
+        self.facts = Facts(block=c.block_size - 1, kind="block")
+        self.kernels = ops.Kernels.default()  # static: its entry points trace with it (`ops.own_kernels`)
 
     def bind(self, target: ModelConfig, long_match: int = 20) -> DFlashDrafter:
         check_fits(self.config, target)
@@ -341,10 +334,12 @@ class DFlashDrafter(nnx.Module):
         layers = [KVPages(jnp.zeros(shape, c.dtype), jnp.zeros(shape, c.dtype)) for _ in range(c.num_hidden_layers)]
         return Cache(layers, jnp.arange(lanes * per_lane, dtype=jnp.int32).reshape(lanes, per_lane) % pages)
 
+    @ops.own_kernels
     def context(self, taps: jax.Array) -> jax.Array:
         """Fused context features [N, T, D] from tapped target states [N, T, n_taps * D]."""
         return self.hidden_norm(self.fc(taps.astype(self.config.dtype)))
 
+    @ops.own_kernels
     def absorb(self, taps: jax.Array, start: jax.Array, count: jax.Array, cache: Cache) -> Cache:
         """Write context K/V for the first `count` [N] of rows taps [N, T, nD] at positions start + t."""
         t = taps.shape[1]
@@ -360,6 +355,7 @@ class DFlashDrafter(nnx.Module):
     def embed(self, target, ids: jax.Array) -> jax.Array:
         return target.model["embed_tokens"](ids) * self.config.input_embedding_scale
 
+    @ops.own_kernels
     def run(self, x: jax.Array, positions: jax.Array, ctx: list, visible) -> jax.Array:
         """The stack over block rows x [N, B, D]; ctx per layer (k, v); visible(layer) -> [N, B, S]."""
         for i, layer in enumerate(self.layers):
@@ -372,6 +368,7 @@ class DFlashDrafter(nnx.Module):
         cap = self.config.final_logit_softcapping
         return jnp.tanh(logits / cap) * cap if cap else logits
 
+    @ops.own_kernels
     def block_hidden(self, target, pending: jax.Array, start: jax.Array, cache: Cache) -> jax.Array:
         """Hidden [N, B, D] of the block [pending, MASK...] at positions start.. over context < start."""
         c, n = self.config, pending.shape[0]
@@ -387,6 +384,7 @@ class DFlashDrafter(nnx.Module):
 
         return self.run(self.embed(target, ids), positions, ctx, visible)
 
+    @ops.own_kernels
     def propose(self, target, pending: jax.Array, start: jax.Array, cache: Cache) -> jax.Array:
         """B-1 draft tokens [N, B-1] for the positions after `pending` (at `start`)."""
         h = self.block_hidden(target, pending, start, cache)[:, 1:]

@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from tfjax import models, sampling
-from tfjax.drafters.dflash2 import DFlashDrafter
 from tfjax.lanes import blocks
 from tfjax.lanes import round as lane_round_mod
 from tfjax.lanes.config import LaneConfig
@@ -20,9 +19,10 @@ class Runner:
     def __init__(self, target, lanes: LaneConfig, drafter=None, prefill_chunk: int = 256,
                  target_facts: ModelFacts | None = None, drafter_facts=None):
         self.lanes = lanes
-        self.block_drafter = isinstance(drafter, DFlashDrafter)
+        own = getattr(drafter, "facts", None)  # a block drafter declares its Facts; a draft model is a plain CausalLM
+        self.block_drafter = own is not None and own.kind == "block"
         if drafter_facts is None and self.block_drafter:
-            drafter_facts = drafter.facts
+            drafter_facts = own
         self.target_def, self.target_params = models.split(target)
         self.drafter_def, self.drafter_params = (None, None) if drafter is None else models.split(drafter)
         self.chunk = prefill_chunk

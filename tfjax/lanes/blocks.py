@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 
 from tfjax import models
-from tfjax.lanes.round import LaneState, _lane_cache, _put_lane, _reset_if_first
+from tfjax.lanes.round import LaneState
+from tfjax.models.decoder import Cache, lane_cache, put_lane, reset_if_first
 from tfjax.models.layers import PROMPT
-from tfjax.models.qwen3_5 import Cache
 
 
 def _lane_view(cache: Cache, lane: jax.Array) -> Cache:
@@ -28,12 +28,12 @@ def prefill_chunk(target_def, target_params, drafter_def, drafter_params, cache:
                   lane: jax.Array, tokens: jax.Array, start: jax.Array, valid: jax.Array):
     """Feed one prompt chunk [1, C] of one lane to the target and the drafter's context: (logits [1, V], caches)."""
     drafter = models.merge(drafter_def, drafter_params)
-    sub = _lane_cache(cache, lane)
-    sub = dataclasses.replace(sub, layers=[_reset_if_first(l, start) for l in sub.layers])
+    sub = lane_cache(cache, lane)
+    sub = dataclasses.replace(sub, layers=[reset_if_first(l, start) for l in sub.layers])
     mode = dataclasses.replace(PROMPT, taps=drafter.config.target_layer_ids)
     logits, sub, _, taps = models.merge(target_def, target_params)(tokens, start[None], valid[None], sub, mode)
     drafted = drafter.absorb(taps, start[None], valid[None], _lane_view(draft_cache, lane))
-    return logits, _put_lane(cache, sub, lane), Cache(drafted.layers, draft_cache.page_table)
+    return logits, put_lane(cache, sub, lane), Cache(drafted.layers, draft_cache.page_table)
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "drafter_def"), donate_argnames=("state",))

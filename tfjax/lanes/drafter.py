@@ -23,8 +23,11 @@ class Facts:
     copy_match: int = 0
     root_copies: bool = True
     block: int = 0  # proposals the drafter drafts per round
+    kind: str = "chain"  # "chain": a draft model run token by token in the round; "block": a block drafter
 
     def __post_init__(self) -> None:
+        if self.kind not in ("chain", "block"):
+            raise ValueError(f"Facts.kind={self.kind!r} must be 'chain' or 'block'")
         if self.copy_match < 0:
             raise ValueError(f"Facts.copy_match={self.copy_match} must be >= 0 (0: keep the target's)")
         if self.block < 0:

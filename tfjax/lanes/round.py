@@ -26,8 +26,11 @@ from tfjax import models, sampling
 from tfjax.lanes.config import LaneConfig
 from tfjax.lanes.copies import propose_copies
 from tfjax.lanes.drafter import RoundFacts
+from tfjax.models.decoder import Cache, DeltaState, replay
+from tfjax.models.decoder import lane_cache as _lane_cache
+from tfjax.models.decoder import put_lane as _put_lane
+from tfjax.models.decoder import reset_if_first as _reset_if_first
 from tfjax.models.layers import PROMPT, ROWS
-from tfjax.models.qwen3_5 import Cache, DeltaState, replay
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,19 +200,6 @@ def lanes_wanting_a_block(history: jax.Array, length: jax.Array, live: jax.Array
     return live & (copied == 0)
 
 
-def _lane_cache(cache: Cache, lane: jax.Array) -> Cache:
-    """A one-lane view: the lane's DeltaNet slots and page-table row (KV pools are shared)."""
-    layers = [DeltaState(l.conv[lane][None], l.state[lane][None]) if isinstance(l, DeltaState) else l
-              for l in cache.layers]
-    return Cache(layers, cache.page_table[lane][None])
-
-
-def _put_lane(cache: Cache, sub: Cache, lane: jax.Array) -> Cache:
-    layers = [DeltaState(l.conv.at[lane].set(s.conv[0]), l.state.at[lane].set(s.state[0]))
-              if isinstance(l, DeltaState) else s for l, s in zip(cache.layers, sub.layers, strict=True)]
-    return Cache(layers, cache.page_table)
-
-
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
 def prefill_chunk(graphdef, params, cache: Cache, lane: jax.Array, tokens: jax.Array, start: jax.Array,
                   valid: jax.Array) -> tuple[jax.Array, Cache]:
@@ -218,15 +208,6 @@ def prefill_chunk(graphdef, params, cache: Cache, lane: jax.Array, tokens: jax.A
     sub = dataclasses.replace(sub, layers=[_reset_if_first(l, start) for l in sub.layers])
     logits, sub, _ = _forward(graphdef, params, tokens, start[None], valid[None], sub, PROMPT)
     return logits, _put_lane(cache, sub, lane)
-
-
-def _reset_if_first(layer, start):
-    """A lane's first chunk starts from zero DeltaNet state (the slot may hold an old request's)."""
-    if isinstance(layer, DeltaState):
-        first = start == 0
-        return DeltaState(jnp.where(first, 0, layer.conv).astype(layer.conv.dtype),
-                          jnp.where(first, 0.0, layer.state))
-    return layer
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))

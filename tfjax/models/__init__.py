@@ -11,16 +11,17 @@ from flax import nnx
 from tfjax.config import ModelConfig
 
 
-def build(config: ModelConfig, *, seed: int = 0) -> nnx.Module:
-    """A randomly initialised causal LM for `config` (load a checkpoint into it to serve)."""
+def build(config: ModelConfig, *, seed: int = 0, kernels=None) -> nnx.Module:
+    """A randomly initialised causal LM for `config` (load a checkpoint into it to serve); `kernels` (an
+    `ops.Kernels`, default `Kernels.default()`) is static, in its graphdef."""
     rngs = nnx.Rngs(seed)
     if config.model_type in ("qwen3_5", "qwen3_5_moe"):
         from tfjax.models.qwen3_5 import Qwen3_5ForCausalLM
 
-        return Qwen3_5ForCausalLM(config, rngs=rngs)
+        return Qwen3_5ForCausalLM(config, rngs=rngs, kernels=kernels)
     from tfjax.models.llama import LlamaForCausalLM
 
-    return LlamaForCausalLM(config, rngs=rngs)
+    return LlamaForCausalLM(config, rngs=rngs, kernels=kernels)
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "dtype"))

@@ -265,3 +265,24 @@ def qmatmul(x: jax.Array, weight: jax.Array, scales: jax.Array, biases: jax.Arra
 
     w = quant.dequantize(weight, scales, biases, bits=bits, group_size=group_size, dtype=x.dtype)
     return done(matmul(x, w, rows=rows))
+
+
+def experts(x: jax.Array, idx: jax.Array, weights: jax.Array, gate: tuple, up: tuple, down: tuple, *,
+            bits: int | None, group_size: int = 64) -> jax.Array:
+    """Routed SwiGLU experts: x [N, D], idx/weights [N, k] -> sum_s weights[:, s] * expert_idx[:, s](x), [N, D].
+
+    gate/up/down are (weight, scales, biases) stacks [E, out, ...] in the MLX layout, or (weight,) dense
+    (`bits=None`). Only the chosen experts are read: on GPU the grouped Pallas kernel (`pallas_kernels.moe`) for
+    quantized stacks it serves; elsewhere its reference in fixed tiles of `ROW_TILE` rows (row-invariant)."""
+    from pallas_kernels import moe
+
+    d, i = x.shape[-1], gate[0].shape[1]
+    if use_kernels() and bits is not None:
+        bs = moe.BlockSizes.for_shapes(d, i, group_size)
+        if d % bs.block_n == 0 and i % bs.block_n == 0 and d % bs.block_k == 0 and i % bs.block_k == 0:
+            return moe.moe(x, idx, weights, gate, up, down, bits=bits, group_size=group_size, block_sizes=bs)
+    n, k = idx.shape
+    pad = (-n) % ROW_TILE
+    tiles = (jnp.pad(a, ((0, pad), (0, 0))).reshape(-1, ROW_TILE, a.shape[-1]) for a in (x, idx, weights))
+    out = fenced_map(lambda t: moe.reference(*t, gate, up, down, bits=bits, group_size=group_size), tuple(tiles))
+    return out.reshape(-1, d)[:n]

@@ -212,3 +212,40 @@ def test_gpu_rows_bit_identical_when_every_row_shares_one_expert():
     stacks = _moe35a3(rng, e=8)
     f = jax.jit(lambda x, i, w: moe.moe(x, i, w, *stacks))
     _check_rows_invariant(f, 2048, 8, 8, jnp.bfloat16, seed=33, m_values=(16, 64))
+
+
+def test_every_moe35a3_linear_shape_traces_through_the_gpu_dispatch():
+    """Each 4-bit Linear shape moe35a3 holds (N=1 shared-expert gate, N=256 router, ...) and its routed experts pass
+    the GPU dispatch's shape checks, decode and prompt rows; lm_head is left out (a [248320, 2048] repack on the
+    CPU; its N is a multiple of 64, K that of in_proj_qkv)."""
+    from flax import nnx
+
+    from tfjax import geometry, models
+    from tfjax.config import QuantConfig
+    from tfjax.models.layers import Linear, use_kernel_layout
+
+    config = geometry.moe35a3.replace(quantization=QuantConfig(bits=4, group_size=64), num_hidden_layers=4,
+                                      layer_types=geometry.moe35a3.layer_types[:4])
+    abstract = nnx.eval_shape(lambda: models.build(config))
+    shapes = {(path[-1], m.weight.shape[0], m.weight.shape[1] * 8) for path, m in nnx.iter_modules(abstract)
+              if isinstance(m, Linear) and m.quant is not None and path[-1] != "lm_head"}
+    assert {("shared_expert_gate", 1, 2048), ("gate", 256, 2048)} <= shapes
+    before = ops._FORCE
+    ops.set_kernels("kernel")
+    try:
+        for name, n, k in sorted(shapes):
+            lin = Linear(k, n, quant=(4, 64), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+            use_kernel_layout(lin)
+            for rows, m in ((True, 1), (True, 16), (False, 1), (False, 300)):
+                y = jax.eval_shape(lambda x, lin=lin, rows=rows: lin(x, rows), jax.ShapeDtypeStruct((m, k), jnp.bfloat16))
+                assert y.shape == (m, n), (name, rows, m)
+        sd = jax.ShapeDtypeStruct
+        stack = lambda o, i: (sd((256, o, i // 8), jnp.uint32), sd((256, o, i // 64), jnp.bfloat16),
+                              sd((256, o, i // 64), jnp.bfloat16))
+        for m in (1, 16, 2048):
+            y = jax.eval_shape(functools.partial(ops.experts, bits=4, group_size=64), sd((m, 2048), jnp.bfloat16),
+                               sd((m, 8), jnp.int32), sd((m, 8), jnp.bfloat16), stack(512, 2048), stack(512, 2048),
+                               stack(2048, 512))
+            assert y.shape == (m, 2048)
+    finally:
+        ops.set_kernels(before)

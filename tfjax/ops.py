@@ -256,7 +256,7 @@ def qmatmul(x: jax.Array, weight: jax.Array, scales: jax.Array, biases: jax.Arra
         unpacked = quant.dequantize_kernel_layout if layout == "kernel" else quant.dequantize_pair_layout
         w = unpacked(weight, scales, biases, bits=bits, group_size=group_size, dtype=x.dtype)
         return done(matmul(x, w, rows=rows))
-    if use_kernels() and math.prod(lead) <= KERNEL_MAX_ROWS:  # prompts: XLA's dequantize-then-dot is faster
+    if use_kernels() and math.prod(lead) <= KERNEL_MAX_ROWS and weight.shape[0] % 16 == 0:  # N=1: shared expert gate
         from pallas_kernels import qmatmul as qk
 
         y = qk.qmatmul(x.reshape(-1, x.shape[-1]), weight, scales, biases, bits=bits, group_size=group_size)

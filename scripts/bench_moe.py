@@ -21,8 +21,9 @@ from tfjax.config import QuantConfig
 from tfjax.models.layers import Mode
 
 
-def decode_rate(config, steps: int) -> float:
-    """Single-lane decode tokens per second of `config` with random weights."""
+def decode_rate(config, steps: int) -> tuple[float, float]:
+    """Single-lane decode (tokens per second, process CPU ms per token) of `config` with random weights; the CPU
+    time is the steadier number on a shared machine."""
     graphdef, params = models.random_params(config)
     model = nnx.merge(graphdef, params)
     cache = model.init_cache(1, steps + 16)
@@ -36,11 +37,11 @@ def decode_rate(config, steps: int) -> float:
     tok, pos = jnp.ones((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32)
     tok, cache = step(params, tok, pos, cache)  # compile
     jax.block_until_ready(tok)
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     for i in range(steps):
         tok, cache = step(params, tok, pos + 1 + i, cache)
     jax.block_until_ready(tok)
-    return steps / (time.perf_counter() - t)
+    return steps / (time.perf_counter() - t), (time.process_time() - cpu) * 1e3 / steps
 
 
 def main():
@@ -61,10 +62,11 @@ def main():
         linear_value_head_dim=32, dtype=args.dtype, quantization=QuantConfig(bits=4, group_size=64))
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; D={args.hidden}, I={args.moe_intermediate}, "
           f"k={args.top_k}, {args.layers} layers, 4-bit, {args.dtype}")
-    print("| experts | decode tok/s |")
-    print("|---|---|")
+    print("| experts | decode tok/s | CPU ms/token |")
+    print("|---|---|---|")
     for e in (int(v) for v in args.experts.split(",")):
-        print(f"| {e} | {decode_rate(base.replace(num_experts=e), args.steps):.1f} |", flush=True)
+        rate, cpu_ms = decode_rate(base.replace(num_experts=e), args.steps)
+        print(f"| {e} | {rate:.1f} | {cpu_ms:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -273,7 +273,7 @@ def experts(x: jax.Array, idx: jax.Array, weights: jax.Array, gate: tuple, up: t
 
     gate/up/down are (weight, scales, biases) stacks [E, out, ...] in the MLX layout, or (weight,) dense
     (`bits=None`). Only the chosen experts are read: on GPU the grouped Pallas kernel (`pallas_kernels.moe`) for
-    quantized stacks it serves; elsewhere its reference in fixed tiles of `ROW_TILE` rows (row-invariant)."""
+    quantized stacks it serves; elsewhere its reference one row a loop iteration (row-invariant)."""
     from pallas_kernels import moe
 
     d, i = x.shape[-1], gate[0].shape[1]
@@ -281,8 +281,6 @@ def experts(x: jax.Array, idx: jax.Array, weights: jax.Array, gate: tuple, up: t
         bs = moe.BlockSizes.for_shapes(d, i, group_size)
         if d % bs.block_n == 0 and i % bs.block_n == 0 and d % bs.block_k == 0 and i % bs.block_k == 0:
             return moe.moe(x, idx, weights, gate, up, down, bits=bits, group_size=group_size, block_sizes=bs)
-    n, k = idx.shape
-    pad = (-n) % ROW_TILE
-    tiles = (jnp.pad(a, ((0, pad), (0, 0))).reshape(-1, ROW_TILE, a.shape[-1]) for a in (x, idx, weights))
-    out = fenced_map(lambda t: moe.reference(*t, gate, up, down, bits=bits, group_size=group_size), tuple(tiles))
-    return out.reshape(-1, d)[:n]
+    # one row a loop iteration: a tile of padding rows would gather and dequantize k experts each for nothing
+    one = lambda t: moe.reference(t[0][None], t[1][None], t[2][None], gate, up, down, bits=bits, group_size=group_size)
+    return fenced_map(lambda t: one(t)[0], (x, idx, weights))

@@ -184,7 +184,7 @@ def _moe35a3(rng, e=256):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n", [1, 4, 16, 300])
+@pytest.mark.parametrize("n", [1, 4, 16, 40])
 def test_gpu_matches_reference_at_the_moe35a3_shape(n):
     assert jax.default_backend() == "gpu"
     rng = np.random.default_rng(20 + n)

@@ -12,8 +12,9 @@ and the reference and the kernel read the same arrays); the unpack is the measur
 Placement (plain XLA, in `moe`): the N * k (row, slot) pairs are sorted by expert and each expert's pairs
 padded to a multiple of ``block_m``, so a tile of ``block_m`` padded rows belongs to one expert; the tile
 count is fixed by N * k and E (``cdiv(N * k, block_m) + min(N * k, E)``), tiles past the used ones skip.
-Decode (1-16 rows): a tile holds the pairs of one expert (mostly one pair), so each program reads only its
-expert's weight tiles. Prompts: the same kernel is a grouped GEMM over rows sorted by expert.
+Decode (up to ``BlockSizes.sort_above`` pairs, 16 rows at k=8): each pair gets a tile of its own, unsorted, so
+each (row, slot) program reads only its expert's weight tiles and the placement costs no sort. Prompts: the same
+kernel is a grouped GEMM over the pairs sorted by expert.
 
 Fused: kernel 1 does gate and up of a tile together (x read once) and writes ``silu(gate) * up``;
 kernel 2 does the down projection and multiplies each padded row by its pair's combine weight. The sum over a
@@ -23,7 +24,8 @@ is not fixed, or one program per row, which loses the grouping of prompts).
 Row invariance (exact speculative decoding verifies k+1 rows and must match 1-row decode bit for bit): a
 padded row goes through the same instructions wherever it lands: K tiles, their order and ``block_k`` are
 fixed by the weight's shape (``BlockSizes.for_shapes``), the dot's rows are independent, padding rows are
-zeros, and the slot sum's order is fixed. Sorting moves a row between tiles, never changes its arithmetic.
+zeros, and the slot sum's order is fixed. Sorting (or not) moves a row between tiles and places in a tile, never
+changes its arithmetic; the choice depends on N * k alone.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ class BlockSizes:
     block_k: int = 256  # inputs per K tile
     num_warps: int = 4
     num_stages: int = 2
+    # Up to this many (row, slot) pairs, each pair gets a tile of its own (decode: no sort, no bincount, a few
+    # launches fewer a layer); above, pairs are sorted into tiles by expert (prompts: a grouped GEMM).
+    sort_above: int = 128
 
     @classmethod
     def for_shapes(cls, d: int, i: int, group_size: int = 64) -> BlockSizes:
@@ -174,6 +179,14 @@ def placement(idx: jax.Array, num_experts: int, block_m: int):
     return tile_expert, pair_row, row_of_pair
 
 
+def pair_tiles(idx: jax.Array, block_m: int):
+    """``placement``'s outputs with one tile a pair, its row first: T = N * k tiles, no sort."""
+    p = idx.size
+    slot = jnp.arange(p * block_m, dtype=jnp.int32)
+    pair_row = jnp.where(slot % block_m == 0, slot // block_m, -1)
+    return idx.reshape(-1).astype(jnp.int32), pair_row, jnp.arange(p, dtype=jnp.int32) * block_m
+
+
 @functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_sizes", "interpret"))
 def moe(x: jax.Array, idx: jax.Array, weights: jax.Array, gate: tuple, up: tuple, down: tuple, *, bits: int = 4,
         group_size: int = 64, block_sizes: BlockSizes | None = None, interpret: bool = False) -> jax.Array:
@@ -183,7 +196,10 @@ def moe(x: jax.Array, idx: jax.Array, weights: jax.Array, gate: tuple, up: tuple
     _check(x, idx, weights, gate, up, down, bits, group_size, bs)
     n, k = idx.shape
     e = gate[0].shape[0]
-    tile_expert, pair_row, row_of_pair = placement(idx, e, bs.block_m)
+    if idx.size <= bs.sort_above:
+        tile_expert, pair_row, row_of_pair = pair_tiles(idx, bs.block_m)
+    else:
+        tile_expert, pair_row, row_of_pair = placement(idx, e, bs.block_m)
     tiles, bm = tile_expert.shape[0], bs.block_m
     live = pair_row >= 0
     xs = jnp.where(live[:, None], jnp.take(x, jnp.maximum(pair_row, 0) // k, axis=0), 0).astype(x.dtype)

@@ -5,6 +5,7 @@ Each case runs in interpret mode on the CPU (default) and compiled on a GPU unde
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -72,7 +73,7 @@ def test_interpret_matches_reference_in_bf16_with_every_expert_shared_by_many_ro
     stacks = _experts(rng, 3, 128, 64, 4, 64, jnp.bfloat16)
     idx, w = _routing(rng, 40, 2, 3, jnp.bfloat16)
     x = jnp.asarray(rng.standard_normal((40, 128)), jnp.bfloat16)
-    y = moe.moe(x, idx, w, *stacks, block_sizes=SMALL, interpret=True)
+    y = moe.moe(x, idx, w, *stacks, block_sizes=dataclasses.replace(SMALL, sort_above=8), interpret=True)
     assert y.dtype == jnp.bfloat16
     assert _rel_err(y, moe.reference(x, idx, w, *stacks)) < 1e-2
 
@@ -104,10 +105,21 @@ def _check_rows_invariant(f, d, e, k, dtype, seed, m_values):
 
 
 def test_interpret_rows_bit_identical_alone_and_among_other_rows_and_experts():
+    """Alone and among 3 rows: a tile a pair; among 16 rows (32 pairs > sort_above): pairs sorted into tiles."""
     rng = np.random.default_rng(5)
     stacks = _experts(rng, 6, 128, 64, 4, 32, jnp.float32)
-    f = lambda x, i, w: moe.moe(x, i, w, *stacks, group_size=32, block_sizes=SMALL, interpret=True)
+    bs = dataclasses.replace(SMALL, sort_above=8)
+    f = lambda x, i, w: moe.moe(x, i, w, *stacks, group_size=32, block_sizes=bs, interpret=True)
     _check_rows_invariant(f, 128, 6, 2, jnp.float32, seed=6, m_values=(3, 16))
+
+
+def test_pair_tiles_give_each_pair_the_first_row_of_its_own_tile():
+    idx = jnp.asarray([[3, 1], [0, 3]], jnp.int32)
+    tile_expert, pair_row, row_of_pair = (np.asarray(a) for a in moe.pair_tiles(idx, 16))
+    np.testing.assert_array_equal(tile_expert, [3, 1, 0, 3])
+    np.testing.assert_array_equal(row_of_pair, [0, 16, 32, 48])
+    np.testing.assert_array_equal(pair_row[row_of_pair], np.arange(4))
+    assert (pair_row >= 0).sum() == 4
 
 
 @pytest.mark.parametrize("bits", [4, None], ids=["4bit", "dense"])

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from pallas_kernels import attention as pk
 from pallas_kernels import attention_mgpu as mgpu_attn
 from pallas_kernels import causal_conv as cc
-from pallas_kernels import fenced, qmatmul_mgpu, quant
+from pallas_kernels import fenced, moe, qmatmul_mgpu, quant
 from pallas_kernels import flash_attention as fa
 from pallas_kernels import gated_delta as gdk
 from pallas_kernels import gated_delta_chunked as gdc
@@ -326,3 +326,20 @@ def qmatmul(x: jax.Array, weight: jax.Array, scales: jax.Array, biases: jax.Arra
     else:
         w = quant.dequantize(weight, scales, biases, bits=bits, group_size=group_size, dtype=x.dtype)
     return done(matmul(x, w, rows=rows))
+
+
+def experts(x: jax.Array, idx: jax.Array, weights: jax.Array, gate: tuple, up: tuple, down: tuple, *,
+            bits: int | None, group_size: int = 64) -> jax.Array:
+    """Routed SwiGLU experts: x [N, D], idx/weights [N, k] -> sum_s weights[:, s] * expert_idx[:, s](x), [N, D].
+
+    gate/up/down are (weight, scales, biases) stacks [E, out, ...] in the MLX layout, or (weight,) dense
+    (`bits=None`). Only the chosen experts are read: on GPU the grouped Pallas kernel (`pallas_kernels.moe`) for
+    quantized stacks it serves; elsewhere its reference one row a loop iteration (row-invariant)."""
+    d, i = x.shape[-1], gate[0].shape[1]
+    if _gpu() and bits is not None:
+        bs = moe.BlockSizes.for_shapes(d, i, group_size)
+        if d % bs.block_n == 0 and i % bs.block_n == 0 and d % bs.block_k == 0 and i % bs.block_k == 0:
+            return moe.moe(x, idx, weights, gate, up, down, bits=bits, group_size=group_size, block_sizes=bs)
+    # one row a loop iteration: a tile of padding rows would gather and dequantize k experts each for nothing
+    one = lambda t: moe.reference(t[0][None], t[1][None], t[2][None], gate, up, down, bits=bits, group_size=group_size)
+    return fenced_map(lambda t: one(t)[0], (x, idx, weights))

@@ -160,33 +160,21 @@ class Experts(nnx.Module):
         self.up_proj = make(i, d, q["up_proj"])
         self.down_proj = make(d, i, q["down_proj"])
 
-    def _w(self, name: str, dtype) -> jax.Array:
+    def stack(self, name: str) -> tuple:
+        """One projection's stacked weights: (weight, scales, biases) quantized, (weight,) dense."""
         p = getattr(self, name)
-        q = dict(self.quants)[name]
-        if q is None:
-            return p["weight"][...].astype(dtype)
-        from tfjax import quant
-
-        bits, group = q
-        return quant.dequantize(p["weight"][...], p["scales"][...], p["biases"][...], bits=bits,
-                                group_size=group, dtype=dtype)
+        if dict(self.quants)[name] is None:
+            return (p["weight"][...],)
+        return p["weight"][...], p["scales"][...], p["biases"][...]
 
     def __call__(self, x: jax.Array, idx: jax.Array, weight: jax.Array) -> jax.Array:
-        """x [N, D], idx/weight [N, k] -> sum_k weight * expert_idx(x), grouped with ragged_dot."""
-        n, k = idx.shape
-        flat = idx.reshape(-1)
-        order = jnp.argsort(flat, stable=True)
-        rows = jnp.take(x, order // k, axis=0)
-        sizes = jnp.bincount(flat, length=self.gate_proj["weight"].shape[0]).astype(jnp.int32)
-
-        def ragged(h, name):
-            w = jnp.swapaxes(self._w(name, x.dtype), 1, 2)  # [E, in, out]
-            return jax.lax.ragged_dot(h, w, sizes, preferred_element_type=jnp.float32).astype(x.dtype)
-
-        h = jax.nn.silu(ragged(rows, "gate_proj")) * ragged(rows, "up_proj")
-        out = ragged(h, "down_proj")  # [N*k, D] in sorted order
-        out = jnp.zeros_like(out).at[order].set(out).reshape(n, k, -1)
-        return jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), weight.astype(jnp.float32)).astype(x.dtype)
+        """x [N, D], idx/weight [N, k] -> sum_k weight * expert_idx(x) [N, D], reading only the chosen experts."""
+        q = dict(self.quants)
+        if len({q[n] for n in ("gate_proj", "up_proj", "down_proj")}) != 1:
+            raise ValueError(f"the experts' projections must share one quantization, got {self.quants}")
+        bits, group = q["gate_proj"] or (None, 64)
+        return ops.experts(x, idx, weight, self.stack("gate_proj"), self.stack("up_proj"), self.stack("down_proj"),
+                           bits=bits, group_size=group)
 
 
 class Qwen3_5DecoderLayer(DecoderLayer):

@@ -1,0 +1,259 @@
+"""The Pallas routed-experts kernel equals its reference, reads only the chosen experts, and is row-invariant.
+
+Each case runs in interpret mode on the CPU (default) and compiled on a GPU under `-m gpu`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import moe
+from tfjax import ops, quant
+
+SMALL = moe.BlockSizes(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=2)
+
+
+def _experts(rng, e, d, i, bits, group_size, dtype):
+    """Fresh random (weight, scales, biases) stacks for gate, up, down."""
+
+    def one(out, inp):
+        w, s, b = quant.quantize(jnp.asarray(rng.standard_normal((e, out, inp)) * 0.05, jnp.float32), bits, group_size)
+        return w, s.astype(dtype), b.astype(dtype)
+
+    return one(i, d), one(i, d), one(d, i)
+
+
+def _routing(rng, n, k, e, dtype):
+    """Distinct experts per row (as top-k gives) and positive combine weights."""
+    idx = np.stack([rng.choice(e, k, replace=False) for _ in range(n)]).astype(np.int32)
+    return jnp.asarray(idx), jnp.asarray(rng.random((n, k)) + 0.1, dtype)
+
+
+def _rel_err(y, r):
+    y, r = np.asarray(y, np.float64), np.asarray(r, np.float64)
+    return np.linalg.norm(y - r) / np.linalg.norm(r)
+
+
+def _by_hand(x, idx, w, stacks, bits, group_size):
+    """Each row through each of its experts, one at a time, in float64."""
+    deq = [np.asarray(quant.dequantize(*s, bits=bits, group_size=group_size, dtype=jnp.float32), np.float64)
+           for s in stacks]
+    x = np.asarray(x, np.float64)
+    out = np.zeros_like(x)
+    for n in range(x.shape[0]):
+        for s in range(idx.shape[1]):
+            e = int(idx[n, s])
+            g, u = deq[0][e] @ x[n], deq[1][e] @ x[n]
+            out[n] += float(w[n, s]) * (deq[2][e] @ (g / (1 + np.exp(-g)) * u))
+    return out
+
+
+@pytest.mark.parametrize("n,k,e,bits,group_size", [(1, 2, 8, 4, 32), (5, 3, 6, 4, 64), (9, 2, 4, 8, 32)])
+def test_interpret_matches_reference_and_both_match_each_expert_by_hand(n, k, e, bits, group_size):
+    rng = np.random.default_rng(n)
+    stacks = _experts(rng, e, 128, 64, bits, group_size, jnp.float32)
+    idx, w = _routing(rng, n, k, e, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((n, 128)), jnp.float32)
+    y = moe.moe(x, idx, w, *stacks, bits=bits, group_size=group_size, block_sizes=SMALL, interpret=True)
+    r = moe.reference(x, idx, w, *stacks, bits=bits, group_size=group_size)
+    want = _by_hand(x, idx, w, stacks, bits, group_size)
+    assert y.shape == (n, 128) and y.dtype == jnp.float32
+    assert _rel_err(y, r) < 1e-5 and _rel_err(r, want) < 1e-5
+
+
+def test_interpret_matches_reference_in_bf16_with_every_expert_shared_by_many_rows():
+    """A prompt-like grouped case: 40 rows, 2 experts each out of 3, so tiles hold many rows of one expert."""
+    rng = np.random.default_rng(3)
+    stacks = _experts(rng, 3, 128, 64, 4, 64, jnp.bfloat16)
+    idx, w = _routing(rng, 40, 2, 3, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((40, 128)), jnp.bfloat16)
+    y = moe.moe(x, idx, w, *stacks, block_sizes=dataclasses.replace(SMALL, sort_above=8), interpret=True)
+    assert y.dtype == jnp.bfloat16
+    assert _rel_err(y, moe.reference(x, idx, w, *stacks)) < 1e-2
+
+
+def test_placement_puts_every_pair_once_in_a_tile_of_its_own_expert():
+    rng = np.random.default_rng(4)
+    idx, _ = _routing(rng, 13, 3, 5, jnp.float32)
+    tile_expert, pair_row, row_of_pair = (np.asarray(a) for a in moe.placement(idx, 5, 16))
+    assert tile_expert.shape == (-(-39 // 16) + 5,)
+    flat = np.asarray(idx).reshape(-1)
+    np.testing.assert_array_equal(pair_row[row_of_pair], np.arange(39))
+    assert (pair_row >= 0).sum() == 39
+    np.testing.assert_array_equal(tile_expert[row_of_pair // 16], flat)
+    assert (tile_expert[(pair_row.reshape(-1, 16) >= 0).any(axis=1) == 0] == -1).all(), "empty tiles are skipped"
+
+
+def _check_rows_invariant(f, d, e, k, dtype, seed, m_values):
+    """Row i alone equals row i among m rows whose other rows (and their experts) are fresh, bit for bit."""
+    rng = np.random.default_rng(seed)
+    x_all = jnp.asarray(rng.standard_normal((max(m_values), d)), dtype)
+    idx_all, w_all = _routing(rng, max(m_values), k, e, dtype)
+    alone = [np.asarray(f(x_all[i : i + 1], idx_all[i : i + 1], w_all[i : i + 1]))[0] for i in range(max(m_values))]
+    for m in m_values:
+        x = jnp.asarray(rng.standard_normal((m, d)), dtype)
+        idx, w = _routing(rng, m, k, e, dtype)
+        for i in range(m):
+            batch = np.asarray(f(x.at[i].set(x_all[i]), idx.at[i].set(idx_all[i]), w.at[i].set(w_all[i])))
+            np.testing.assert_array_equal(batch[i], alone[i], err_msg=f"row {i} of M={m}")
+
+
+def test_interpret_rows_bit_identical_alone_and_among_other_rows_and_experts():
+    """Alone and among 3 rows: a tile a pair; among 16 rows (32 pairs > sort_above): pairs sorted into tiles."""
+    rng = np.random.default_rng(5)
+    stacks = _experts(rng, 6, 128, 64, 4, 32, jnp.float32)
+    bs = dataclasses.replace(SMALL, sort_above=8)
+    f = lambda x, i, w: moe.moe(x, i, w, *stacks, group_size=32, block_sizes=bs, interpret=True)
+    _check_rows_invariant(f, 128, 6, 2, jnp.float32, seed=6, m_values=(3, 16))
+
+
+def test_pair_tiles_give_each_pair_the_first_row_of_its_own_tile():
+    idx = jnp.asarray([[3, 1], [0, 3]], jnp.int32)
+    tile_expert, pair_row, row_of_pair = (np.asarray(a) for a in moe.pair_tiles(idx, 16))
+    np.testing.assert_array_equal(tile_expert, [3, 1, 0, 3])
+    np.testing.assert_array_equal(row_of_pair, [0, 16, 32, 48])
+    np.testing.assert_array_equal(pair_row[row_of_pair], np.arange(4))
+    assert (pair_row >= 0).sum() == 4
+
+
+@pytest.mark.parametrize("bits", [4, None], ids=["4bit", "dense"])
+def test_reference_path_rows_bit_identical_among_1_to_16_rows(bits):
+    """The CPU path the model takes (`ops.experts`): fixed row tiles, so any M gives a row the same bits."""
+    rng = np.random.default_rng(7)
+    stacks = _experts(rng, 8, 64, 32, 4, 32, jnp.float32)
+    if bits is None:
+        stacks = tuple((quant.dequantize(*s, bits=4, group_size=32),) for s in stacks)
+    f = jax.jit(lambda x, i, w: ops.experts(x, i, w, *stacks, bits=bits, group_size=32))
+    _check_rows_invariant(f, 64, 8, 2, jnp.float32, seed=8, m_values=tuple(range(1, 17)))
+
+
+def test_reference_path_matches_each_expert_by_hand_for_dense_and_4bit():
+    rng = np.random.default_rng(9)
+    stacks = _experts(rng, 8, 64, 32, 4, 32, jnp.float32)
+    idx, w = _routing(rng, 11, 2, 8, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((11, 64)), jnp.float32)
+    want = _by_hand(x, idx, w, stacks, 4, 32)
+    assert _rel_err(ops.experts(x, idx, w, *stacks, bits=4, group_size=32), want) < 1e-5
+    dense = tuple((quant.dequantize(*s, bits=4, group_size=32),) for s in stacks)
+    assert _rel_err(ops.experts(x, idx, w, *dense, bits=None), want) < 1e-5
+
+
+def test_reference_reads_only_the_chosen_experts():
+    """No op of the reference's program touches a dequantized stack of all E experts."""
+    rng = np.random.default_rng(10)
+    e, d, i = 48, 64, 32
+    stacks = _experts(rng, e, d, i, 4, 32, jnp.float32)
+    idx, w = _routing(rng, 2, 2, e, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((2, d)), jnp.float32)
+    text = jax.jit(lambda *a: ops.experts(*a, *stacks, bits=4, group_size=32)).lower(x, idx, w).as_text()
+    assert f"tensor<{e}x{i}x{d}xf32>" not in text and f"tensor<{e}x{d}x{i}xf32>" not in text
+    assert f"tensor<2x{i}x{d}xf32>" in text, "one dequantized expert per slot of a row"
+
+
+def test_bad_shapes_raise_naming_the_value():
+    rng = np.random.default_rng(11)
+    stacks = _experts(rng, 4, 128, 64, 4, 32, jnp.float32)
+    idx, w = _routing(rng, 3, 2, 4, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((3, 128)), jnp.float32)
+    call = functools.partial(moe.moe, group_size=32, block_sizes=SMALL, interpret=True)
+    with pytest.raises(ValueError, match="x.shape"):
+        call(x[:, :64], idx, w, *stacks)
+    with pytest.raises(ValueError, match="idx.shape"):
+        call(x, idx[:2], w, *stacks)
+    with pytest.raises(ValueError, match="bits=3"):
+        call(x, idx, w, *stacks, bits=3)
+    with pytest.raises(ValueError, match="block_n=48"):
+        call(x, idx, w, *stacks, block_sizes=moe.BlockSizes(block_n=48))
+    with pytest.raises(ValueError, match="idx must hold integer"):
+        call(x, w, w, *stacks)
+
+
+def test_block_sizes_depend_on_the_expert_shape_only():
+    assert moe.BlockSizes.for_shapes(2048, 512, 64) == moe.BlockSizes(block_n=64, block_k=256)
+    assert moe.BlockSizes.for_shapes(64, 32, 32).block_k == 32
+
+
+def test_lowers_to_triton_for_cuda_without_a_gpu():
+    """The compiled path's Pallas -> Triton lowering at moe35a3's expert shape (256 x 512 x 2048, 16 rows x 8)."""
+    sd = jax.ShapeDtypeStruct
+    stack = lambda o, i: (sd((256, o, i // 8), jnp.uint32), sd((256, o, i // 64), jnp.bfloat16),
+                          sd((256, o, i // 64), jnp.bfloat16))
+    f = jax.jit(functools.partial(moe.moe, bits=4, group_size=64))
+    text = f.trace(sd((16, 2048), jnp.bfloat16), sd((16, 8), jnp.int32), sd((16, 8), jnp.bfloat16),
+                   stack(512, 2048), stack(512, 2048), stack(2048, 512)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text and "moe_gate_up" in text and "moe_down" in text
+
+
+# The same cases compiled on a GPU: `pytest -m gpu tests/test_moe_kernel.py` on the device.
+def _moe35a3(rng, e=256):
+    return _experts(rng, e, 2048, 512, 4, 64, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 4, 16, 40])
+def test_gpu_matches_reference_at_the_moe35a3_shape(n):
+    assert jax.default_backend() == "gpu"
+    rng = np.random.default_rng(20 + n)
+    stacks = _moe35a3(rng)
+    idx, w = _routing(rng, n, 8, 256, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((n, 2048)), jnp.bfloat16)
+    y = moe.moe(x, idx, w, *stacks)
+    assert _rel_err(y, moe.reference(x, idx, w, *stacks)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_rows_bit_identical_alone_and_among_1_to_16_rows():
+    assert jax.default_backend() == "gpu"
+    rng = np.random.default_rng(30)
+    stacks = _moe35a3(rng)
+    f = jax.jit(lambda x, i, w: ops.experts(x, i, w, *stacks, bits=4, group_size=64))
+    _check_rows_invariant(f, 2048, 256, 8, jnp.bfloat16, seed=31, m_values=tuple(range(1, 17)))
+
+
+@pytest.mark.gpu
+def test_gpu_rows_bit_identical_when_every_row_shares_one_expert():
+    """Rows that share experts sit together in a tile (the grouped-GEMM case): still the bits of the row alone."""
+    assert jax.default_backend() == "gpu"
+    rng = np.random.default_rng(32)
+    stacks = _moe35a3(rng, e=8)
+    f = jax.jit(lambda x, i, w: moe.moe(x, i, w, *stacks))
+    _check_rows_invariant(f, 2048, 8, 8, jnp.bfloat16, seed=33, m_values=(16, 64))
+
+
+def test_every_moe35a3_linear_shape_traces_through_the_gpu_dispatch():
+    """Each 4-bit Linear shape moe35a3 holds (N=1 shared-expert gate, N=256 router, ...) and its routed experts pass
+    the GPU dispatch's shape checks, decode and prompt rows; lm_head is left out (a [248320, 2048] repack on the
+    CPU; its N is a multiple of 64, K that of in_proj_qkv)."""
+    from flax import nnx
+
+    from tfjax import geometry, models
+    from tfjax.config import QuantConfig
+    from tfjax.models.layers import Linear, use_kernel_layout
+
+    config = geometry.moe35a3.replace(quantization=QuantConfig(bits=4, group_size=64), num_hidden_layers=4,
+                                      layer_types=geometry.moe35a3.layer_types[:4])
+    abstract = nnx.eval_shape(lambda: models.build(config))
+    shapes = {(path[-1], m.weight.shape[0], m.weight.shape[1] * 8) for path, m in nnx.iter_modules(abstract)
+              if isinstance(m, Linear) and m.quant is not None and path[-1] != "lm_head"}
+    assert {("shared_expert_gate", 1, 2048), ("gate", 256, 2048)} <= shapes
+    with ops.using(ops.PALLAS):
+        for name, n, k in sorted(shapes):
+            lin = Linear(k, n, quant=(4, 64), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+            use_kernel_layout(lin)
+            for rows, m in ((True, 1), (True, 16), (False, 1), (False, 300)):
+                y = jax.eval_shape(lambda x, lin=lin, rows=rows: lin(x, rows), jax.ShapeDtypeStruct((m, k), jnp.bfloat16))
+                assert y.shape == (m, n), (name, rows, m)
+        sd = jax.ShapeDtypeStruct
+        stack = lambda o, i: (sd((256, o, i // 8), jnp.uint32), sd((256, o, i // 64), jnp.bfloat16),
+                              sd((256, o, i // 64), jnp.bfloat16))
+        for m in (1, 16, 2048):
+            y = jax.eval_shape(functools.partial(ops.experts, bits=4, group_size=64), sd((m, 2048), jnp.bfloat16),
+                               sd((m, 8), jnp.int32), sd((m, 8), jnp.bfloat16), stack(512, 2048), stack(512, 2048),
+                               stack(2048, 512))
+            assert y.shape == (m, 2048)

@@ -26,6 +26,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--drafter", default="none", help="none, dflash2, or a draft checkpoint folder")
     ap.add_argument("--no-drafts", action="store_true", help="every request takes the plain path (no proposals)")
     ap.add_argument("--copy-match", type=int, default=0, help="root-copy match length (0: the model's default)")
+    ap.add_argument("--prefix-cache-gb", type=float, default=2.0,
+                    help="GiB for cached prompt prefixes beyond the lanes' pages (0: off)")
     ap.add_argument("--max-tokens", type=int, default=256, help="reply length when a request names none")
     ap.add_argument("--queue", type=int, default=64, help="requests that may wait for a lane; more get 429")
     ap.add_argument("--dtype", default=None)
@@ -48,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"--drafter dflash2: no drafter at {drafter}; distil one with scripts/train_drafter.py "
                              f"--model {args.model} --out {drafter.parent}, or pass its folder")
     llm = api.load(args.model, drafter=drafter, lanes=args.parallel, width=args.width, context=args.context,
-                   copy_match=args.copy_match, dtype=args.dtype)
+                   copy_match=args.copy_match, dtype=args.dtype, prefix_cache_gb=args.prefix_cache_gb)
     llm.drafter_name = drafter
     app = create_app(llm, name=args.name or str(args.model), queue=args.queue, max_tokens=args.max_tokens,
                      drafts=not args.no_drafts)

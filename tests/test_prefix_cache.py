@@ -231,3 +231,11 @@ def test_budget_maps_gigabytes_to_pages_and_slots():
         budget(1e-6, 1000, 10**9, 2, 100)
     with pytest.raises(ValueError, match=">= 0"):
         budget(-1.0, 1000, 0, 2, 100)
+
+
+def test_the_reply_usage_reports_cached_prompt_tokens():
+    from tfjax.engine import Result
+    from tfjax.server.protocol import usage
+
+    u = usage(Result(0, 40, [5, 6, 7], "stop", 2, 0, cached_tokens=32))
+    assert u["prompt_tokens"] == 40 and u["prompt_tokens_details"] == {"cached_tokens": 32}

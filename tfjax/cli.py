@@ -23,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--drafter", default=None)
     g.add_argument("--copy-match", type=int, default=0)
     g.add_argument("--context", type=int, default=2048)
+    g.add_argument("--prefix-cache-gb", type=float, default=2.0,
+                   help="GiB for cached prompt prefixes beyond the lanes' pages (0: off)")
     c = sub.add_parser("convert", help="convert a GGUF file or bf16 folder (to MLX 4-bit with --bits)")
     c.add_argument("src")
     c.add_argument("out")
@@ -47,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from tfjax import api
 
-    llm = api.load(args.model, drafter=args.drafter, lanes=1, copy_match=args.copy_match, context=args.context)
+    llm = api.load(args.model, drafter=args.drafter, lanes=1, copy_match=args.copy_match, context=args.context,
+                   prefix_cache_gb=args.prefix_cache_gb)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     t = time.perf_counter()
     out = llm.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,

@@ -215,6 +215,15 @@ class Metrics:
                [("", self.ttft_count)])
         metric("queue_depth", "gauge", "Requests waiting for a lane.", [("", server.worker.queued())])
         metric("lanes_busy", "gauge", "Lanes running a request.", [("", len(engine.scheduler.running))])
+        pc = engine.prefix_stats
+        metric("prefix_cache_lookups_total", "counter", "Requests that looked up the prefix cache.", [("", pc.lookups)])
+        metric("prefix_cache_hits_total", "counter", "Requests resumed after a cached prefix.", [("", pc.hits)])
+        metric("prefix_cache_cached_tokens_total", "counter", "Prompt tokens taken from the prefix cache.",
+               [("", pc.cached_tokens)])
+        metric("prefix_cache_evictions_total", "counter", "Cached KV pages evicted for new requests.",
+               [("", pc.evictions)])
+        metric("prefix_cache_hit_rate", "gauge", "Prefix cache hits over lookups.",
+               [("", round(pc.hits / max(pc.lookups, 1), 4))])
         metric("lanes_total", "gauge", "Lanes in the engine.", [("", engine.lanes.capacity)])
         return "\n".join(lines) + "\n"
 

@@ -228,7 +228,8 @@ def chunk(params: Params, rid: str, model: str, created: int, *, text: str | Non
 def usage(result) -> dict:
     """Token counts plus what tfjax adds to every reply: the token hash and tokens per round."""
     n = len(result.token_ids)
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": n, "total_tokens": result.prompt_tokens + n}
+    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": n, "total_tokens": result.prompt_tokens + n,
+            "prompt_tokens_details": {"cached_tokens": getattr(result, "cached_tokens", 0)}}
 
 
 def extras(result, draft: bool) -> dict:

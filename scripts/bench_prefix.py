@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 from bench_generate import random_model
@@ -57,6 +58,7 @@ def conversation(llm, turns: int, reply: int, token_space: bool):
         messages.append({"role": "assistant", "content": out.text})
         ids = ids + out.token_ids
         rows.append((len(ids) - len(out.token_ids), first.cached_tokens, seconds, out.token_sha256))
+    print(f"  run: TTFT {', '.join(f'{r[2] * 1e3:.0f}' for r in rows)} ms", file=sys.stderr, flush=True)
     return rows
 
 
@@ -85,9 +87,10 @@ def main():
     ap.add_argument("--reply", type=int, default=48, help="tokens each reply decodes")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--dtype", default=None, help="the checkpoint's weights cast to this dtype (float32 on a CPU)")
     ap.add_argument("--prefix-cache-gb", type=float, default=2.0, help="the cache-on engine's budget")
     args = ap.parse_args()
-    kw = dict(lanes=1, context=args.context)
+    kw = dict(lanes=1, context=args.context, dtype=args.dtype)
     if args.geometry is not None:
         kw["model"] = geometry_model(args.geometry, args.random_weights)
     elif args.random_weights is not None:

@@ -12,6 +12,8 @@ from tfjax.lanes.drafter import RoundFacts
 from tfjax.models.layers import serving_layout
 from tfjax.tokenizer import Tokenizer
 
+PREFIX_CACHE_GB = 2.0  # device memory for cached prompt prefixes beyond the lanes' own pages (0: off)
+
 
 @dataclasses.dataclass
 class Generation:
@@ -24,6 +26,7 @@ class Generation:
     tokens_per_round: float
     prompt_tokens: int
     error: str | None = None  # what ended the reply when finish_reason is "error"
+    cached_tokens: int = 0  # prompt tokens resumed from the prefix cache instead of prefilled
 
 
 # Sampling fields a checkpoint's generation_config.json may set for requests that leave them out (as vLLM does),
@@ -56,7 +59,7 @@ class LLM:
 
     def __init__(self, path: Path, *, drafter: str | Path | None = None, lanes: int = 4, width: int = 8,
                  context: int = 2048, copy_match: int = 0, copies: bool = True, dtype: str | None = None,
-                 model=None):
+                 model=None, prefix_cache_gb: float = PREFIX_CACHE_GB):
         self.path = path
         # `model`: an already built (module, config) for this folder's tokenizer, e.g. random weights for timing
         self.model, self.config = model if model is not None else checkpoint.load(path, dtype=dtype, progress=True)
@@ -79,7 +82,7 @@ class LLM:
                     serving_layout(m)
         self.lanes = LaneConfig(capacity=lanes, width=width, context=context)
         eos = tuple(self.tokenizer.eos_ids) or self.config.eos_token_id
-        self.engine = Engine(self.model, self.lanes, drafter=draft_model, eos_ids=eos)
+        self.engine = Engine(self.model, self.lanes, drafter=draft_model, eos_ids=eos, prefix_cache_gb=prefix_cache_gb)
         if copy_match or not copies:  # copy_match replaces the merged facts' match; copies=False turns them off
             facts = self.engine.runner.spec.facts
             self.engine.runner.set_facts(RoundFacts(copy_match=(copy_match or facts.copy_match) if copies else 0,
@@ -122,7 +125,7 @@ class LLM:
 
     def _reply(self, r: Result) -> Generation:
         return Generation(self.tokenizer.decode(r.token_ids, skip_special_tokens=True), r.token_ids, r.token_sha256,
-                          r.finish_reason, r.tokens_per_round, r.prompt_tokens, r.error)
+                          r.finish_reason, r.tokens_per_round, r.prompt_tokens, r.error, r.cached_tokens)
 
     def generate(self, prompt: str | list[dict], **kw) -> Generation:
         """Generate for one prompt (text, or chat messages)."""

@@ -70,6 +70,8 @@ def _add_model(p: argparse.ArgumentParser, *, context: int = 2048) -> None:
                    help="matching tokens before the lane's own context is copied as proposals (0: the default)")
     p.add_argument("--no-draft", action="store_true", help="the plain reference path: no proposals at all")
     p.add_argument("--dtype", default=None, help="weights' dtype (bfloat16, float32); default: the checkpoint's")
+    p.add_argument("--prefix-cache-gb", type=_non_negative(float), default=2.0,
+                   help="device memory (GiB) for cached prompt prefixes beyond the lanes' own pages (0: off)")
 
 
 def _add_sampling(p: argparse.ArgumentParser, *, max_tokens: int) -> None:
@@ -152,7 +154,7 @@ def _load(args, lanes: int, width: int = 8):
     from tfjax import api
 
     return api.load(args.model, drafter=_drafter(args), lanes=lanes, width=width, context=args.context,
-                    copy_match=args.copy_match, dtype=args.dtype)
+                    copy_match=args.copy_match, dtype=args.dtype, prefix_cache_gb=args.prefix_cache_gb)
 
 
 def _sampling(args) -> dict:

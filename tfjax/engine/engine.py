@@ -9,6 +9,9 @@ come first in device order and never touch another request's tokens.
 A request that fails (its prefill, its callbacks, its stop check) ends alone with finish_reason "error";
 lanes are independent rows of the round, so the others' tokens are untouched. A failing round fails
 every live request and rebuilds the lane state, since its donated buffers may be gone.
+With `prefix_cache_gb` > 0 a request resumes after its longest cached prompt prefix on the chunk grid
+(`prefix_cache.py`); the pages a prefill wrote are cached only once it succeeded, and a rebuilt lane state
+forgets them all.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import logging
 import threading
 
 from tfjax import sampling
-from tfjax.engine.runner import Runner
+from tfjax.engine import prefix_cache
+from tfjax.engine.runner import Runner, cache_bytes
 from tfjax.engine.scheduler import LaneSlot, Request, Scheduler
 from tfjax.lanes.config import LaneConfig
 
@@ -36,6 +40,7 @@ class Result:
     rounds: int
     proposed: int
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache (not prefilled)
 
     @property
     def token_sha256(self) -> str:
@@ -49,10 +54,18 @@ class Result:
 class Engine:
     """Continuous batching over lanes; thread-safe `submit`/`cancel`, `step()` from one loop."""
 
-    def __init__(self, target, lanes: LaneConfig, drafter=None, eos_ids: tuple[int, ...] = (), **runner_kw):
+    def __init__(self, target, lanes: LaneConfig, drafter=None, eos_ids: tuple[int, ...] = (),
+                 prefix_cache_gb: float = 0.0, **runner_kw):
         self.lanes = lanes
-        self.runner = Runner(target, lanes, drafter=drafter, **runner_kw)
-        self.scheduler = Scheduler(lanes.capacity, lanes.context, lanes.width, lanes.page_size, self.runner.pages)
+        chunk = runner_kw.get("prefill_chunk", 256)
+        page_b, snap_b = cache_bytes((target, drafter), lanes.page_size)
+        extra, slots = prefix_cache.budget(prefix_cache_gb, page_b, snap_b, max(chunk // lanes.page_size, 1),
+                                           lanes.capacity * lanes.pages_per_lane)
+        self.runner = Runner(target, lanes, drafter=drafter, extra_pages=extra, snapshot_slots=slots, **runner_kw)
+        self.prefix = prefix_cache.PrefixCache(self.runner.pages, lanes.page_size, chunk, slots, hybrid=snap_b > 0,
+                                               enabled=prefix_cache_gb > 0)
+        self.scheduler = Scheduler(lanes.capacity, lanes.context, lanes.width, lanes.page_size, self.runner.pages,
+                                   self.prefix)
         self.eos_ids = tuple(eos_ids)
         self.results: dict[int, Result] = {}
         self.lock = threading.Lock()
@@ -74,6 +87,11 @@ class Engine:
             lane = self.scheduler.cancel(request_id)
             if lane is not None:
                 self._finish(lane)
+
+    @property
+    def prefix_stats(self) -> prefix_cache.Stats:
+        """Prefix cache counters: lookups, hits, cached and prompt tokens, evicted pages."""
+        return self.prefix.stats
 
     @property
     def busy(self) -> bool:
@@ -103,7 +121,8 @@ class Engine:
         if release:
             self.runner.release(lane)
         self._complete(slot.request, Result(slot.request.id, len(slot.request.prompt), slot.output,
-                                            slot.finish_reason or "stop", slot.rounds, slot.proposed, slot.error))
+                                            slot.finish_reason or "stop", slot.rounds, slot.proposed, slot.error,
+                                            slot.plan.resume))
 
     def _fail(self, lane: int, error: Exception) -> None:
         """End one lane's request with finish_reason "error"; the other lanes go on."""
@@ -126,9 +145,12 @@ class Engine:
             slot = self.scheduler.running[lane]
             slot.finish_reason, slot.error = "error", f"{type(error).__name__}: {error}"
             self._finish(lane, release=False)
+        self.prefix.clear()  # the rebuilt caches hold none of the cached pages
 
-    def _admit(self, req: Request, lane: int, pages: list[int]) -> None:
-        first = self.runner.prefill(lane, req.prompt, self._sampling(req), req.draft, pages)
+    def _admit(self, req: Request, lane: int, plan: prefix_cache.Plan) -> None:
+        first = self.runner.prefill(lane, req.prompt, self._sampling(req), req.draft, plan.pages, plan.resume,
+                                    plan.restore, plan.saves)
+        self.prefix.commit(req.prompt, plan)
         slot = self.scheduler.running[lane]
         kept = self.scheduler.take(lane, [first], self.eos_ids)
         slot.rounds -= 1  # the prompt's token is not a round
@@ -137,12 +159,12 @@ class Engine:
     def step(self) -> None:
         """Admit what fits, then one round for all live lanes."""
         with self.lock:
-            for req, lane, pages in self.scheduler.admissible():
+            for req, lane, plan in self.scheduler.admissible():
                 slot = self.scheduler.running.get(lane)
                 if slot is None or slot.request is not req:  # ended by a reset after an earlier failure
                     continue
                 try:
-                    self._admit(req, lane, pages)
+                    self._admit(req, lane, plan)
                 except Exception as e:
                     self._fail(lane, e)
                     continue

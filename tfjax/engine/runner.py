@@ -7,17 +7,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from tfjax import models, sampling
-from tfjax.lanes import blocks
+from tfjax.lanes import blocks, snapshots
 from tfjax.lanes import round as lane_round_mod
 from tfjax.lanes.config import LaneConfig
 from tfjax.lanes.drafter import ModelFacts, RoundFacts, round_facts
+from tfjax.models.qwen3_5 import DeltaState
 
 
 class Runner:
     """Target (and optional drafter) parameters, the lanes' device state, and the jitted entry points."""
 
     def __init__(self, target, lanes: LaneConfig, drafter=None, prefill_chunk: int = 256,
-                 target_facts: ModelFacts | None = None, drafter_facts=None):
+                 target_facts: ModelFacts | None = None, drafter_facts=None, extra_pages: int = 0,
+                 snapshot_slots: int = 0):
         self.lanes = lanes
         own = getattr(drafter, "facts", None)  # a block drafter declares its Facts; a draft model is a plain CausalLM
         self.block_drafter = own is not None and own.kind == "block"
@@ -26,7 +28,8 @@ class Runner:
         self.target_def, self.target_params = models.split(target)
         self.drafter_def, self.drafter_params = (None, None) if drafter is None else models.split(drafter)
         self.chunk = prefill_chunk
-        self.pages = lanes.capacity * lanes.pages_per_lane
+        self.pages = lanes.capacity * lanes.pages_per_lane + extra_pages  # extra pages hold cached prefixes
+        self.snapshot_slots = snapshot_slots
         self._models = (target, drafter)
         self.reset()
         target_facts = target_facts or ModelFacts(root_copies=True, enter_match=lanes.enter_match)
@@ -45,24 +48,47 @@ class Runner:
             sampling=sampling.SamplingParams.create(n), cache=cache, draft_cache=draft_cache,
             draft_len=jnp.zeros((n,), jnp.int32),
             block=blocks.empty_blocks(n, drafter.config.block_size) if self.block_drafter else None)
+        self.pools = [snapshots.empty_pool(cache, self.snapshot_slots), snapshots.empty_pool(draft_cache,
+                                                                                              self.snapshot_slots)]
 
     def set_facts(self, facts: RoundFacts) -> None:
         """Swap the static facts (a new compile key for the round)."""
         self.spec = lane_round_mod.RoundSpec(self.lanes, facts)
 
-    def _prefill_model(self, graphdef, params, cache, lane: int, prompt: np.ndarray):
-        logits = None
-        for s in range(0, len(prompt), self.chunk):
+    def _chunks(self, prompt: np.ndarray, resume: int):
+        """The prompt's chunks on the absolute grid from `resume` (a grid point): (tokens [1, C], start, valid)."""
+        for s in range(resume, len(prompt), self.chunk):
             piece = prompt[s : s + self.chunk]
             tokens = np.zeros((1, self.chunk), np.int32)
             tokens[0, : len(piece)] = piece
-            logits, cache = lane_round_mod.prefill_chunk(graphdef, params, cache, jnp.int32(lane),
-                                                         jnp.asarray(tokens), jnp.int32(s), jnp.int32(len(piece)))
+            yield jnp.asarray(tokens), s, len(piece)
+
+    def _snapshot(self, which: int, cache, lane: int, end: int, saves: dict[int, int]) -> None:
+        if end in saves and self.pools[which] is not None:
+            self.pools[which] = snapshots.save(self.pools[which], cache, jnp.int32(lane), jnp.int32(saves[end]))
+
+    def _restore(self, which: int, cache, lane: int, slot: int | None):
+        if slot is None or self.pools[which] is None:
+            return cache
+        return snapshots.restore(cache, self.pools[which], jnp.int32(lane), jnp.int32(slot))
+
+    def _prefill_model(self, which: int, graphdef, params, cache, lane: int, prompt: np.ndarray, resume: int,
+                       restore: int | None, saves: dict[int, int]):
+        logits, cache = None, self._restore(which, cache, lane, restore)
+        for tokens, s, n in self._chunks(prompt, resume):
+            logits, cache = lane_round_mod.prefill_chunk(graphdef, params, cache, jnp.int32(lane), tokens,
+                                                         jnp.int32(s), jnp.int32(n))
+            self._snapshot(which, cache, lane, s + n, saves)
         return logits, cache
 
     def prefill(self, lane: int, prompt: list[int], params: sampling.SamplingParams, drafting: bool,
-                pages: list[int]) -> int:
-        """Feed a prompt into `lane` (and the drafter), pick its first token, and make the lane live."""
+                pages: list[int], resume: int = 0, restore: int | None = None,
+                saves: dict[int, int] | None = None) -> int:
+        """Feed a prompt into `lane` (and the drafter), pick its first token, and make the lane live.
+
+        With a cached prefix, the first `resume` tokens (a chunk-grid point) are already in `pages`; snapshot slot
+        `restore` holds the DeltaNet state there. `saves` maps grid boundaries to slots to snapshot into."""
+        saves = saves or {}
         prompt_arr = np.asarray(prompt, np.int32)
         row = np.zeros((self.lanes.pages_per_lane,), np.int32)
         row[: len(pages)] = pages
@@ -71,13 +97,14 @@ class Runner:
         st.cache.page_table = st.cache.page_table.at[lane].set(jnp.asarray(row))
         if self.block_drafter:
             st.draft_cache.page_table = st.draft_cache.page_table.at[lane].set(jnp.asarray(row))
-            logits = self._prefill_with_taps(lane, prompt_arr)
+            logits = self._prefill_with_taps(lane, prompt_arr, resume, restore, saves)
         else:
-            logits, st.cache = self._prefill_model(self.target_def, self.target_params, st.cache, lane, prompt_arr)
+            logits, st.cache = self._prefill_model(0, self.target_def, self.target_params, st.cache, lane, prompt_arr,
+                                                   resume, restore, saves)
         if st.draft_cache is not None and not self.block_drafter:
             st.draft_cache.page_table = st.draft_cache.page_table.at[lane].set(jnp.asarray(row))
-            _, st.draft_cache = self._prefill_model(self.drafter_def, self.drafter_params, st.draft_cache, lane,
-                                                    prompt_arr)
+            _, st.draft_cache = self._prefill_model(1, self.drafter_def, self.drafter_params, st.draft_cache, lane,
+                                                    prompt_arr, resume, restore, saves)
         first = int(_first_token(logits, jnp.int32(len(prompt)), params)[0])
         history = np.zeros((self.lanes.context,), np.int32)
         history[: len(prompt)] = prompt_arr
@@ -89,16 +116,16 @@ class Runner:
                                             self.drafter_params, self.state, jnp.int32(lane))
         return first
 
-    def _prefill_with_taps(self, lane: int, prompt: np.ndarray):
-        """Prompt chunks through the target, their tapped states into the block drafter's context."""
+    def _prefill_with_taps(self, lane: int, prompt: np.ndarray, resume: int, restore: int | None,
+                           saves: dict[int, int]):
+        """Prompt chunks through the target, their tapped states into the block drafter's (paged) context."""
         st, logits = self.state, None
-        for s in range(0, len(prompt), self.chunk):
-            piece = prompt[s : s + self.chunk]
-            tokens = np.zeros((1, self.chunk), np.int32)
-            tokens[0, : len(piece)] = piece
+        st.cache = self._restore(0, st.cache, lane, restore)
+        for tokens, s, n in self._chunks(prompt, resume):
             logits, st.cache, st.draft_cache = blocks.prefill_chunk(
                 self.target_def, self.target_params, self.drafter_def, self.drafter_params, st.cache, st.draft_cache,
-                jnp.int32(lane), jnp.asarray(tokens), jnp.int32(s), jnp.int32(len(piece)))
+                jnp.int32(lane), tokens, jnp.int32(s), jnp.int32(n))
+            self._snapshot(0, st.cache, lane, s + n, saves)
         return logits
 
     def dispatch(self) -> lane_round_mod.RoundOut:
@@ -121,3 +148,20 @@ class Runner:
 def _first_token(logits: jax.Array, position: jax.Array, params: sampling.SamplingParams) -> jax.Array:
     """The token after the prompt, chosen by the lane's keyed sampler (lane params sliced to one row)."""
     return sampling.sample(logits[:, None, :], position[None, None], params)[:, 0]
+
+
+def cache_bytes(models_: tuple, page_size: int) -> tuple[int, int]:
+    """Bytes of one KV page (every attention layer of each model) and of one snapshot (a lane's DeltaNet state in
+    each); a snapshot of 0 bytes means a prefix resume needs pages only."""
+    page = state = 0
+    for model in models_:
+        if model is None:
+            continue
+        shapes = jax.eval_shape(lambda m=model: m.init_cache(1, page_size, page_size, 1))
+        for layer in shapes.layers:
+            size = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(layer))
+            if isinstance(layer, DeltaState):
+                state += size
+            else:
+                page += size
+    return page, state

@@ -1,5 +1,6 @@
-"""The scheduler: plain Python, no jax. It admits requests into free lanes with KV pages from one pool,
-tracks each lane's output, and decides when a lane stops (EOS, stop strings, max tokens)."""
+"""The scheduler: plain Python, no jax. It admits requests into free lanes with KV pages from one pool (through
+the prefix cache, which hands out cached prompt prefixes first), tracks each lane's output, and decides when a
+lane stops (EOS, stop strings, max tokens)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import dataclasses
 import itertools
 from collections.abc import Callable
 from typing import Any
+
+from tfjax.engine.prefix_cache import Plan, PrefixCache
 
 
 class ContextLengthExceeded(ValueError):
@@ -42,7 +45,7 @@ class LaneSlot:
 
     request: Request
     lane: int
-    pages: list[int]
+    plan: Plan
     output: list[int] = dataclasses.field(default_factory=list)
     rounds: int = 0
     proposed: int = 0
@@ -53,10 +56,11 @@ class LaneSlot:
 class Scheduler:
     """Admission and stopping; the runner does the device work."""
 
-    def __init__(self, lanes: int, context: int, width: int, page_size: int, pages: int):
+    def __init__(self, lanes: int, context: int, width: int, page_size: int, pages: int,
+                 prefix: PrefixCache | None = None):
         self.lanes, self.context, self.width, self.page_size = lanes, context, width, page_size
         self.free_lanes = list(range(lanes))
-        self.free_pages = collections.deque(range(pages))
+        self.prefix = prefix or PrefixCache(pages, page_size, page_size, enabled=False)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: dict[int, LaneSlot] = {}
 
@@ -77,15 +81,18 @@ class Scheduler:
         self.check(request)
         self.waiting.append(request)
 
-    def admissible(self) -> list[tuple[Request, int, list[int]]]:
+    def admissible(self) -> list[tuple[Request, int, Plan]]:
         """Waiting requests that now get a lane and their pages (FIFO; stops at the first that can't)."""
         out = []
-        while self.waiting and self.free_lanes and len(self.free_pages) >= self.pages_for(self.waiting[0]):
-            req = self.waiting.popleft()
+        while self.waiting and self.free_lanes:
+            req = self.waiting[0]
+            plan = self.prefix.allocate(req.prompt, self.pages_for(req))
+            if plan is None:
+                break
+            self.waiting.popleft()
             lane = self.free_lanes.pop(0)
-            pages = [self.free_pages.popleft() for _ in range(self.pages_for(req))]
-            self.running[lane] = LaneSlot(req, lane, pages)
-            out.append((req, lane, pages))
+            self.running[lane] = LaneSlot(req, lane, plan)
+            out.append((req, lane, plan))
         return out
 
     def take(self, lane: int, tokens: list[int], eos_ids: tuple[int, ...], proposed: int = 0) -> list[int]:
@@ -118,7 +125,7 @@ class Scheduler:
         slot = self.running.pop(lane)
         self.free_lanes.append(lane)
         self.free_lanes.sort()
-        self.free_pages.extend(slot.pages)
+        self.prefix.release(slot.plan)
         return slot
 
     def drop_waiting(self, request_id: int) -> Request | None:

@@ -2,7 +2,7 @@
 
 Requests are counted by outcome (ok, cancelled, error, rejected_<code>); TTFT, inter-token latency and tokens per
 round are histograms; the queue, the busy lanes and the engine's rounds are read at scrape time, with any
-counters the engine offers through an optional `prefix_stats()` (a dict of name -> number).
+the engine's prefix-cache counters (`Engine.prefix_stats`).
 """
 
 from __future__ import annotations
@@ -27,10 +27,15 @@ class EngineCollector(Collector):
         yield GaugeMetricFamily("tfjax_lanes_busy", "Lanes running a request.", value=len(engine.scheduler.running))
         yield GaugeMetricFamily("tfjax_lanes_total", "Lanes in the engine.", value=engine.lanes.capacity)
         yield CounterMetricFamily("tfjax_rounds", "Engine rounds run.", value=engine.rounds)
-        stats = getattr(engine, "prefix_stats", None)
-        if callable(stats):
-            for name, value in sorted(stats().items()):
-                yield CounterMetricFamily(f"tfjax_prefix_cache_{name}", f"Prefix cache: {name}.", value=value)
+        pc = engine.prefix_stats
+        for name, help in (("lookups", "Requests that looked up the prefix cache."),
+                           ("hits", "Requests resumed after a cached prefix."),
+                           ("cached_tokens", "Prompt tokens taken from the prefix cache."),
+                           ("prompt_tokens", "Prompt tokens of requests that looked up the prefix cache."),
+                           ("evictions", "Cached KV pages evicted for new requests.")):
+            yield CounterMetricFamily(f"tfjax_prefix_cache_{name}", help, value=getattr(pc, name))
+        yield GaugeMetricFamily("tfjax_prefix_cache_hit_rate", "Prefix cache hits over lookups.",
+                                value=pc.hits / max(pc.lookups, 1))
 
 
 class Metrics:

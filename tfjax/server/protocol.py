@@ -307,7 +307,8 @@ def usage(results: list) -> dict:
     """Token counts summed over the choices (the prompt counted once, as OpenAI does)."""
     prompt = results[0].prompt_tokens
     n = sum(len(r.token_ids) for r in results)
-    return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
+    return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n,
+            "prompt_tokens_details": {"cached_tokens": getattr(results[0], "cached_tokens", 0)}}
 
 
 def extras(result, draft: bool) -> dict:

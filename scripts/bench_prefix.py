@@ -1,0 +1,132 @@
+"""Time to first token of each turn of an 8-turn conversation with the prefix cache on and off.
+
+  PYTHONPATH=. python3 scripts/bench_prefix.py --model smollm2
+  PYTHONPATH=. python3 scripts/bench_prefix.py --geometry dense27 --random-weights 4 --prefix-cache-gb 8
+
+Each turn's prompt is the chat so far (earlier messages and replies) plus a new user message. A turn's time to
+first token is a one-token generation of that prompt (the prefill and the first sample); the reply itself is
+generated after it, `--reply` tokens with EOS ignored, and becomes the next turn's history. Per run the cache
+starts empty; the first run of each engine only compiles. Every reply's token_sha256 with the cache on is
+compared with the cache off (resumed == fresh). `--random-weights BITS` follows bench_generate.py (random MLX
+weights of `--model`'s geometry, or of `--geometry NAME`'s with `--model`'s tokenizer); with random weights the
+turns are built in token space (prompt + reply ids + the next message's ids), since random replies are no text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+from bench_generate import random_model
+
+from tfjax import api, geometry, models
+from tfjax.config import QuantConfig
+
+MESSAGES = [
+    "I am planning a small vegetable garden on a sunny balcony. Which vegetables grow well in containers, and how "
+    "deep should the pots be for each of them?",
+    "Tomatoes sound good. How often should I water them in summer, and what are the signs of too much water?",
+    "What about fertiliser? I would prefer something organic that does not smell too bad on a balcony.",
+    "My neighbour says basil planted next to tomatoes keeps pests away. Is that true, or just garden folklore?",
+    "Some leaves have small yellow spots now. What could cause that, and what should I check first?",
+    "If it turns out to be a fungus, how do I treat it without harming the bees that visit the flowers?",
+    "At the end of the season, what should I do with the soil in the pots before next spring?",
+    "Finally, could you summarise everything we discussed as a short checklist I can stick on the fridge?",
+]
+
+
+def ttft(llm, prompt_ids: list[int]):
+    """Seconds to the first token of a prompt, and its result (cached tokens)."""
+    t = time.perf_counter()
+    out = llm.generate(prompt_ids, max_tokens=1, ignore_eos=True)
+    return time.perf_counter() - t, out
+
+
+def conversation(llm, turns: int, reply: int, token_space: bool):
+    """One run: per turn (prompt tokens, cached tokens, ttft seconds, reply sha256)."""
+    llm.engine.prefix.clear()  # every run starts from an empty cache
+    messages, ids, rows = [], [], []
+    for text in MESSAGES[:turns]:
+        messages.append({"role": "user", "content": text})
+        ids = ids + llm.encode(messages[-1:]) if token_space else llm.encode(messages)
+        seconds, first = ttft(llm, ids)
+        out = llm.generate(ids, max_tokens=reply, ignore_eos=True)
+        if out.finish_reason == "error":
+            raise SystemExit(f"reply failed: {out.error}")
+        messages.append({"role": "assistant", "content": out.text})
+        ids = ids + out.token_ids
+        rows.append((len(ids) - len(out.token_ids), first.cached_tokens, seconds, out.token_sha256))
+    print(f"  run: TTFT {', '.join(f'{r[2] * 1e3:.0f}' for r in rows)} ms", file=sys.stderr, flush=True)
+    return rows
+
+
+def geometry_model(name: str, bits: int | None):
+    """(module, config) of a named geometry with random weights, MLX `bits`-bit (group 64) unless 0 or None."""
+    config = geometry.named(name)
+    if bits:
+        config = config.replace(quantization=QuantConfig(bits=bits, group_size=64))
+    graphdef, params = models.random_params(config)
+    from flax import nnx
+
+    return nnx.merge(graphdef, params), config
+
+
+def spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs) * 1e3:.0f} ({min(xs) * 1e3:.0f}-{max(xs) * 1e3:.0f})"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--random-weights", type=int, default=None, metavar="BITS",
+                    help="random MLX BITS-bit weights of the folder's geometry (0: unquantized)")
+    ap.add_argument("--geometry", default=None, help="a named geometry (dense27...) with random weights")
+    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--reply", type=int, default=48, help="tokens each reply decodes")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--dtype", default=None, help="the checkpoint's weights cast to this dtype (float32 on a CPU)")
+    ap.add_argument("--prefix-cache-gb", type=float, default=2.0, help="the cache-on engine's budget")
+    args = ap.parse_args()
+    kw = dict(lanes=1, context=args.context, dtype=args.dtype)
+    if args.geometry is not None:
+        kw["model"] = geometry_model(args.geometry, args.random_weights)
+    elif args.random_weights is not None:
+        kw["model"] = random_model(args.model, args.random_weights)
+    token_space = args.geometry is not None or args.random_weights is not None
+    engines = {"on": api.load(args.model, prefix_cache_gb=args.prefix_cache_gb, **kw),
+               "off": api.load(args.model, prefix_cache_gb=0.0, **kw)}
+    import jax
+
+    print(f"{args.geometry or args.model} on {jax.devices()[0].device_kind}, jax {jax.__version__}"
+          + (f", random {args.random_weights}-bit weights" if args.random_weights is not None else "")
+          + f"; {args.turns} turns, {args.reply}-token replies, prefill chunk {engines['on'].engine.runner.chunk}, "
+          f"median (min-max) of {args.runs} runs")
+    runs = {}
+    for name, llm in engines.items():
+        conversation(llm, args.turns, args.reply, token_space)  # compiles every chunk count the runs meet
+        runs[name] = [conversation(llm, args.turns, args.reply, token_space) for _ in range(args.runs)]
+    single = [ttft(engines["off"], engines["off"].encode([{"role": "user", "content": MESSAGES[0]}]))[0]
+              for _ in range(args.runs)]
+    print("| turn | prompt tokens | cached (skipped) | TTFT off, ms | TTFT on, ms | on / one message | "
+          "reply hash on == off |")
+    print("|---|---|---|---|---|---|---|")
+    one = statistics.median(single)
+    for t in range(args.turns):
+        n, cached, _, _ = runs["on"][0][t]
+        off = [r[t][2] for r in runs["off"]]
+        on = [r[t][2] for r in runs["on"]]
+        same = sum(a[t][3] == b[t][3] for a, b in zip(runs["on"], runs["off"], strict=True))
+        print(f"| {t + 1} | {n} | {cached} | {spread(off)} | {spread(on)} | {statistics.median(on) / one:.2f} | "
+              f"{same}/{args.runs} |")
+    print(f"one-message request ({len(engines['off'].encode([{'role': 'user', 'content': MESSAGES[0]}]))} tokens): "
+          f"TTFT {spread(single)} ms")
+    stats = engines["on"].engine.prefix_stats
+    print(f"cache on, all runs: {stats.hits}/{stats.lookups} lookups hit, {stats.cached_tokens} of "
+          f"{stats.prompt_tokens} prompt tokens skipped, {stats.evictions} pages evicted")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""The prefix cache: resumed == fresh (token_sha256) on hybrid and attention-only models, with and without
+copies and drafters; shared and evicted pages never reach a lane that reads them; the bookkeeping alone."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+
+from tests.test_lanes import SAMPLED
+from tfjax import geometry, models
+from tfjax.config import ModelConfig
+from tfjax.engine import Engine, Request
+from tfjax.engine.prefix_cache import PrefixCache, budget, chain_keys
+from tfjax.lanes.config import LaneConfig
+from tfjax.lanes.drafter import RoundFacts
+
+LANES = LaneConfig(capacity=2, width=4, context=128, page_size=8)
+CHUNK = 16  # two pages a chunk: turn 1's prompt of 37 tokens ends mid-chunk and mid-page
+LLAMA = ModelConfig.from_dict(dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   rms_norm_eps=1e-5, tie_word_embeddings=True, dtype="float32"))
+SHAPES = {"dense": geometry.tiny_dense, "moe": geometry.tiny_moe, "llama": LLAMA}
+
+
+@pytest.fixture(scope="module")
+def built():
+    return {}
+
+
+def _model(built, name):
+    if name not in built:
+        built[name] = models.build(SHAPES[name], seed=21)
+    return built[name]
+
+
+def _engine(target, drafter=None, copies=True, gb=0.0001, lanes=LANES):
+    engine = Engine(target, lanes, drafter=drafter, eos_ids=(), prefix_cache_gb=gb, prefill_chunk=CHUNK)
+    engine.runner.set_facts(RoundFacts(copy_match=1 if copies else 0, draft_block=engine.runner.spec.facts.draft_block))
+    return engine
+
+
+def _words(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 250, n).tolist()
+
+
+def _conversations(seed: int) -> list[dict]:
+    """Turn 1 of a greedy and of a sampled conversation (a repeated span so copies fire)."""
+    out = []
+    for i, params in enumerate(({}, SAMPLED)):
+        span = _words(seed + 7 * i, 10)
+        out.append(dict(prompt=_words(seed + 7 * i + 1, 17) + span + span, params=params))
+    return out
+
+
+def _turn2(engine, convs) -> list[list[int]]:
+    """Turn 1 on `engine`, then turn 2 prompts: turn 1's prompt + reply + a new message."""
+    first = engine.run([Request(c["prompt"], max_tokens=10, **c["params"]) for c in convs])
+    return [c["prompt"] + r.token_ids + _words(99 + i, 9) for i, (c, r) in enumerate(zip(convs, first, strict=True))]
+
+
+def _resumed_equals_fresh(target, drafter=None, copies=True, seed=0, gb=0.0001):
+    convs = _conversations(seed)
+    warm = _engine(target, drafter, copies, gb)
+    prompts = _turn2(warm, convs)
+    resumed = warm.run([Request(p, max_tokens=12, **c["params"]) for p, c in zip(prompts, convs, strict=True)])
+    fresh = _engine(target, drafter, copies, gb).run([Request(p, max_tokens=12, **c["params"])
+                                                  for p, c in zip(prompts, convs, strict=True)])
+    for r, f in zip(resumed, fresh, strict=True):
+        assert r.token_sha256 == f.token_sha256, (r.token_ids, f.token_ids)
+        assert r.cached_tokens == 32 and f.cached_tokens == 0  # turn 1's full chunks; a cold engine has none
+    assert warm.prefix_stats.hits == 2 and warm.prefix_stats.cached_tokens == 64
+    return resumed
+
+
+SLOW = pytest.mark.slow  # the same contract on more shapes; CI runs one copies setting per shape
+
+
+@pytest.mark.parametrize("name,copies", [("dense", True), ("moe", False), ("llama", False),
+                                         pytest.param("dense", False, marks=SLOW), pytest.param("moe", True, marks=SLOW),
+                                         pytest.param("llama", True, marks=SLOW)])
+def test_turn_two_resumed_from_the_cache_equals_a_cold_engine(built, name, copies):
+    resumed = _resumed_equals_fresh(_model(built, name), copies=copies)
+    if copies:
+        assert sum(r.proposed for r in resumed) > 0, "copies never proposed: the test would not exercise them"
+
+
+@SLOW
+def test_resumed_equals_fresh_with_a_draft_model(built):
+    drafter = models.build(geometry.tiny_dense.replace(num_hidden_layers=2, layer_types=("linear_attention",
+                                                                                         "full_attention")), seed=12)
+    resumed = _resumed_equals_fresh(_model(built, "dense"), drafter=drafter, seed=3, gb=0.0003)  # 4 snapshots
+    assert all(r.proposed > 0 for r in resumed)
+
+
+def test_resumed_equals_fresh_with_a_block_drafter(built):
+    from tests.test_dflash2 import drafter_config
+    from tfjax.drafters import dflash2
+
+    raw = drafter_config(vocab_size=geometry.tiny_dense.vocab_size)
+    raw["dflash_config"].update(block_size=4, target_layer_ids=[0, 2, 3])
+    drafter = dflash2.build(dflash2.DFlashConfig.from_dict(raw), seed=12).bind(geometry.tiny_dense)
+    resumed = _resumed_equals_fresh(_model(built, "dense"), drafter=drafter, seed=5, gb=0.0003)
+    assert all(r.proposed > 0 for r in resumed)
+
+
+def _check_pages(engine) -> None:
+    """Every page a live lane maps is held once per lane, never free or idle; idle pages are cached ones."""
+    pc = engine.prefix
+    held = collections.Counter(p for slot in engine.scheduler.running.values() for p in slot.plan.pages)
+    for page, n in held.items():
+        assert pc.ref[page] == n, (page, pc.ref[page], n)
+        assert page not in pc.idle and page not in pc.free
+        assert n == 1 or page in pc.key_of, f"page {page} shared by {n} lanes but not a cached prefix page"
+    assert all(pc.ref[p] == 0 and p in pc.key_of for p in pc.idle)
+    assert all(pc.ref[p] == 0 and p not in pc.key_of for p in pc.free)
+    assert len(held) + len(pc.idle) + len(pc.free) == engine.runner.pages
+
+
+def test_shared_and_evicted_pages_never_reach_a_lane_that_reads_them(built):
+    """Two lanes share a cached system prompt while other requests evict idle pages; every reply equals its
+    run alone on a cold engine."""
+    target = _model(built, "dense")
+    system = _words(40, 48)
+    reqs = [dict(prompt=system + _words(41, 5), max_tokens=30), dict(prompt=system + _words(42, 9), max_tokens=8),
+            *[dict(prompt=_words(50 + i, 56), max_tokens=6, **SAMPLED) for i in range(6)]]
+    alone = [_engine(target).run([Request(**r)])[0] for r in reqs]
+    engine = _engine(target)  # 32 lane pages + 8 extra: the pool fills with cached pages and evicts
+    engine.run([Request(system + _words(43, 3), max_tokens=4)])  # caches the system prompt's 48 tokens
+    ids = [engine.submit(Request(**r)) for r in reqs]
+    shared = 0
+    while engine.busy:
+        engine.step()
+        _check_pages(engine)
+        pages = [set(s.plan.pages) for s in engine.scheduler.running.values()]
+        shared += len(pages) == 2 and bool(pages[0] & pages[1])
+    got = [engine.results.pop(i) for i in ids]
+    for a, g in zip(alone, got, strict=True):
+        assert g.token_sha256 == a.token_sha256
+    assert got[0].cached_tokens == 48 and got[1].cached_tokens == 48
+    assert shared > 0, "the two system-prompt requests never ran at once"
+    assert engine.prefix_stats.evictions > 0, "the pool never ran out: the test would not exercise eviction"
+
+
+def test_the_same_prompt_again_resumes_before_its_last_token_and_a_zero_budget_caches_nothing(built):
+    target = _model(built, "llama")
+    prompt = _words(60, 40)
+    engine = _engine(target)
+    first, again = (engine.run([Request(prompt, max_tokens=4)])[0] for _ in range(2))
+    assert first.cached_tokens == 0 and first.token_sha256 == again.token_sha256
+    assert again.cached_tokens == 32  # the grid point before the last prompt token
+    assert engine.prefix_stats.lookups == 2 and engine.prefix_stats.hits == 1
+    off = Engine(target, LANES, eos_ids=(), prefix_cache_gb=0.0, prefill_chunk=CHUNK)
+    assert off.runner.pages == LANES.capacity * LANES.pages_per_lane and not off.prefix.enabled
+    plan = off.prefix.allocate(prompt, 6)
+    off.prefix.commit(prompt, plan)
+    assert off.prefix.allocate(prompt, 6).resume == 0 and off.prefix_stats.lookups == 0
+
+
+# The bookkeeping alone, in plain Python.
+
+def test_chain_keys_name_the_whole_prefix_not_just_the_page():
+    a, b = chain_keys([1, 2, 3, 4, 5, 6], 2, 3), chain_keys([9, 2, 3, 4, 5, 6], 2, 3)
+    assert len(a) == 3 and len(set(a)) == 3
+    assert all(x != y for x, y in zip(a, b, strict=True)), "a different first page must change every later key"
+    assert chain_keys([1, 2, 3, 4, 7], 2, 2) == a[:2]
+
+
+def _prompt(n, seed=0):
+    return _words(seed, n)
+
+
+def test_a_prefix_resumes_on_the_chunk_grid_and_only_from_committed_pages():
+    pc = PrefixCache(pages=12, page_size=2, chunk=4)
+    p = _prompt(11)
+    plan = pc.allocate(p, 6)
+    assert plan.resume == 0 and plan.saves == {}
+    dup = pc.allocate(p, 6)
+    assert dup.resume == 0, "pages are cached only once the prefill succeeded (commit)"
+    pc.release(dup)
+    pc.commit(p, plan)  # full chunks end at 8: pages 0..3 cached
+    assert len(pc.page_of) == 4
+    again = pc.allocate(p + [1, 2], 6)
+    assert again.resume == 8 and again.pages[:4] == plan.pages[:4]
+    assert pc.allocate(p[:8], 6).resume == 4, "at least one prompt token is prefilled: resume before the end"
+    assert pc.stats.hits == 2 and pc.stats.cached_tokens == 12
+
+
+def test_hybrid_resume_needs_a_snapshot_and_saves_each_new_boundary():
+    pc = PrefixCache(pages=12, page_size=2, chunk=4, snapshots=3, hybrid=True)
+    p = _prompt(13)
+    plan = pc.allocate(p, 7)
+    assert sorted(plan.saves) == [4, 8, 12]
+    slot8 = plan.saves[8]
+    pc.commit(p, plan)
+    assert pc.allocate(p + [5], 7).restore == pc.snap_of[plan.pages[5]]
+    # a fourth boundary needs a slot: the least recently used snapshot goes, its pages stay cached
+    q = p[:12] + [7, 7, 7, 7, 7]
+    plan2 = pc.allocate(q, 9)
+    assert plan2.resume == 12 and sorted(plan2.saves) == [16]
+    pc.commit(q, plan2)
+    assert plan.pages[1] not in pc.snap_of and plan.pages[1] in pc.key_of
+    held = pc.allocate(p[:9] + [3, 3, 3], 5)
+    assert held.resume == 8 and held.restore == slot8
+
+
+def test_eviction_takes_the_least_recently_used_idle_page_never_a_held_one():
+    pc = PrefixCache(pages=6, page_size=2, chunk=2)
+    a, b = _prompt(5, 1), _prompt(5, 2)
+    pa = pc.allocate(a, 3)
+    pc.commit(a, pa)  # pages of a[:4] cached
+    pc.release(pa)  # deepest page first into the LRU
+    pb = pc.allocate(b, 3)
+    assert pc.allocate(_prompt(5, 3), 4) is None, "3 free + idle pages can't hold 4"
+    pc.commit(b, pb)
+    hit = pc.allocate(a, 2)  # both cached pages of a, now held again
+    assert hit.resume == 4 and pc.ref[pa.pages[0]] == 1
+    before = set(pc.page_of.values())
+    pc.release(hit)
+    pc.release(pb)
+    pc.allocate(_prompt(5, 4), 6)  # 2 free + 4 idle: evicts every idle cached page
+    assert pc.stats.evictions == len(before) and not pc.page_of
+
+
+def test_budget_maps_gigabytes_to_pages_and_slots():
+    assert budget(0.0, 1000, 0, 2, 100) == (0, 0)
+    assert budget(1 / 1024, 2**18, 0, 2, 100) == (4, 0)  # 1 MiB of 256 KiB pages, two a chunk
+    assert budget(1.0, 10, 10, 2, 100) == (400, 200)  # capped at four times the lanes' own pool
+    with pytest.raises(ValueError, match="holds no snapshot"):
+        budget(1e-6, 1000, 10**9, 2, 100)
+    with pytest.raises(ValueError, match=">= 0"):
+        budget(-1.0, 1000, 0, 2, 100)
+
+
+def test_the_reply_usage_reports_cached_prompt_tokens():
+    from tfjax.engine import Result
+    from tfjax.server.protocol import usage
+
+    u = usage(Result(0, 40, [5, 6, 7], "stop", 2, 0, cached_tokens=32))
+    assert u["prompt_tokens"] == 40 and u["prompt_tokens_details"] == {"cached_tokens": 32}

@@ -1,0 +1,207 @@
+"""The prefix cache: plain Python bookkeeping over the KV page pool (no jax here).
+
+Invariants:
+- A page is free, owned by lanes (refcount > 0), or cached and idle (refcount 0, in the LRU). Only idle
+  pages are ever evicted, so no page is handed to a new request while a lane reads it.
+- A cached page is keyed by a chained hash: sha256 of the previous page's key and its own tokens, so a key
+  names the whole prefix up to the page's end, never just the page's tokens.
+- Only pages a prefill wrote inside full prompt chunks on the absolute grid (multiples of `chunk` from
+  position 0) are cached; a resume starts on that grid, so it runs exactly the chunks a fresh prefill runs.
+- Hybrid models (`snapshots` > 0 slots): a grid boundary is resumable only where a snapshot of the lanes'
+  recurrent state sits on the page ending there; the snapshot goes when that page is evicted, or earlier
+  when the slots are full and it is the least recently used one.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+
+import numpy as np
+
+
+def chain_keys(tokens: list[int], page_size: int, pages: int) -> list[bytes]:
+    """The chained keys of the first `pages` full pages of `tokens`."""
+    keys, prev = [], b""
+    arr = np.asarray(tokens[: pages * page_size], np.int64)
+    for i in range(pages):
+        prev = hashlib.sha256(prev + arr[i * page_size : (i + 1) * page_size].tobytes()).digest()
+        keys.append(prev)
+    return keys
+
+
+def budget(gb: float, page_bytes: int, snapshot_bytes: int, pages_per_chunk: int, base_pages: int) -> tuple[int, int]:
+    """(extra KV pages, snapshot slots) that `gb` GiB buys: one slot per chunk of pages (a slot is needed only for
+    DeltaNet state), at most four times the lanes' own pool of pages (beyond that the tiny models' pages are so
+    small that a gigabyte would allocate hundreds of thousands of them)."""
+    if gb < 0:
+        raise ValueError(f"prefix_cache_gb={gb} must be >= 0 (0 turns the prefix cache off)")
+    unit = pages_per_chunk * page_bytes + snapshot_bytes
+    units = min(int(gb * 2**30 // unit), 4 * base_pages // pages_per_chunk)
+    if gb > 0 and snapshot_bytes and units < 1:
+        raise ValueError(f"prefix_cache_gb={gb} holds no snapshot of this model's DeltaNet state "
+                         f"({unit / 2**20:.1f} MiB with a chunk of pages): raise it, or pass 0 to turn the cache off")
+    return units * pages_per_chunk, units if snapshot_bytes else 0
+
+
+@dataclasses.dataclass
+class Plan:
+    """A request's admission: its pages, where its prefill resumes, and the snapshots it restores and saves."""
+
+    pages: list[int]
+    resume: int = 0  # prompt tokens taken from the cache (prefill starts here, on the chunk grid)
+    restore: int | None = None  # snapshot slot restored into the lane before the prefill
+    saves: dict[int, int] = dataclasses.field(default_factory=dict)  # grid boundary -> slot to save into
+
+
+@dataclasses.dataclass
+class Stats:
+    """Counters since the engine started (read by the server's /metrics)."""
+
+    lookups: int = 0
+    hits: int = 0
+    cached_tokens: int = 0
+    prompt_tokens: int = 0
+    evictions: int = 0
+
+
+class PrefixCache:
+    """Page allocation with reuse of cached prompt prefixes (`enabled=False`: a plain free list)."""
+
+    def __init__(self, pages: int, page_size: int, chunk: int, snapshots: int = 0, hybrid: bool = False,
+                 enabled: bool = True):
+        if enabled and chunk % page_size:
+            raise ValueError(f"prefill chunk {chunk} must be a multiple of page_size {page_size} for the prefix "
+                             "cache (a resume starts on both grids)")
+        if enabled and hybrid and snapshots < 1:
+            raise ValueError("a hybrid model's prefix cache needs at least one snapshot slot")
+        self.page_size, self.chunk, self.hybrid, self.enabled = page_size, chunk, hybrid, enabled
+        self.free = collections.deque(range(pages))
+        self.ref = [0] * pages
+        self.key_of: dict[int, bytes] = {}  # cached page -> key
+        self.page_of: dict[bytes, int] = {}  # key -> cached page
+        self.idle: collections.OrderedDict[int, None] = collections.OrderedDict()  # cached, refcount 0, LRU first
+        self.snap_of: dict[int, int] = {}  # page ending on a grid boundary -> its snapshot slot
+        self.free_slots = list(range(snapshots))
+        self.slot_use: collections.OrderedDict[int, int] = collections.OrderedDict()  # slot -> page, LRU first
+        self.stats = Stats()
+
+    def available(self) -> int:
+        return len(self.free) + len(self.idle)
+
+    def match(self, prompt: list[int]) -> tuple[list[int], int, int | None]:
+        """The cached pages a prompt can resume after, the resume position and the snapshot slot to restore."""
+        if not self.enabled:
+            return [], 0, None
+        limit = (len(prompt) - 1) // self.chunk * self.chunk  # at least one prompt token is prefilled
+        pages = []
+        for key in chain_keys(prompt, self.page_size, limit // self.page_size):
+            page = self.page_of.get(key)
+            if page is None:
+                break
+            pages.append(page)
+        per_chunk = self.chunk // self.page_size
+        for n in range(len(pages) // per_chunk * per_chunk, 0, -per_chunk):
+            slot = self.snap_of.get(pages[n - 1])
+            if not self.hybrid or slot is not None:
+                return pages[:n], n * self.page_size, slot
+        return [], 0, None
+
+    def allocate(self, prompt: list[int], n_pages: int) -> Plan | None:
+        """Pages for a request (cached prefix first), or None when the pool can't hold it now."""
+        hit, resume, slot = self.match(prompt)
+        fresh = n_pages - len(hit)
+        if fresh > self.available() - sum(p in self.idle for p in hit):
+            return None
+        for p in hit:
+            self._hold(p)
+        pages = hit + [self._take() for _ in range(fresh)]
+        if slot is not None:
+            self.slot_use.move_to_end(slot)
+        self.stats.lookups += self.enabled
+        self.stats.hits += resume > 0
+        self.stats.cached_tokens += resume
+        self.stats.prompt_tokens += len(prompt)
+        plan = Plan(pages, resume, slot)
+        if self.hybrid and self.enabled:
+            keys = chain_keys(prompt, self.page_size, len(prompt) // self.page_size)
+            for end in range(resume + self.chunk, len(prompt) + 1, self.chunk):
+                cached = self.page_of.get(keys[end // self.page_size - 1])
+                slot_for_end = None if cached in self.snap_of else self._slot()
+                if slot_for_end is not None:
+                    plan.saves[end] = slot_for_end
+        return plan
+
+    def commit(self, prompt: list[int], plan: Plan) -> None:
+        """After a successful prefill: cache the pages it wrote in full chunks and attach the snapshots it saved."""
+        if not self.enabled:
+            return
+        full = len(prompt) // self.chunk * self.chunk
+        keys = chain_keys(prompt, self.page_size, full // self.page_size)
+        for i in range(plan.resume // self.page_size, len(keys)):
+            if keys[i] not in self.page_of:
+                self.page_of[keys[i]], self.key_of[plan.pages[i]] = plan.pages[i], keys[i]
+        for end, slot in plan.saves.items():
+            page = self.page_of[keys[end // self.page_size - 1]]
+            if page in self.snap_of:  # another request cached this prefix meanwhile
+                self.free_slots.append(slot)
+            else:
+                self.snap_of[page] = slot
+                self.slot_use[slot] = page
+        plan.saves = {}
+
+    def release(self, plan: Plan) -> None:
+        """A lane's request ended: its pages lose a reference (deepest first into the LRU); unsaved slots go back."""
+        self.free_slots.extend(plan.saves.values())
+        plan.saves = {}
+        for p in reversed(plan.pages):
+            self.ref[p] -= 1
+            if self.ref[p]:
+                continue
+            if p in self.key_of:
+                self.idle[p] = None
+            else:
+                self.free.append(p)
+
+    def clear(self) -> None:
+        """Forget every cached prefix (the device caches were rebuilt); pages held by lanes stay held."""
+        for p in list(self.idle):
+            self.free.append(p)
+        self.idle.clear()
+        self.key_of.clear()
+        self.page_of.clear()
+        self.free_slots.extend(self.slot_use)
+        self.slot_use.clear()
+        self.snap_of.clear()
+
+    def _hold(self, page: int) -> None:
+        self.idle.pop(page, None)
+        self.ref[page] += 1
+
+    def _take(self) -> int:
+        """A page to write: a free one, else the least recently used idle cached page (evicted)."""
+        if self.free:
+            page = self.free.popleft()
+        else:
+            page, _ = self.idle.popitem(last=False)
+            self._forget(page)
+            self.stats.evictions += 1
+        self.ref[page] = 1
+        return page
+
+    def _forget(self, page: int) -> None:
+        del self.page_of[self.key_of.pop(page)]
+        slot = self.snap_of.pop(page, None)
+        if slot is not None:
+            del self.slot_use[slot]
+            self.free_slots.append(slot)
+
+    def _slot(self) -> int | None:
+        """A slot to save into: a free one, else the least recently used one (its page stays cached); None when
+        every slot waits for another prefill's save."""
+        if not self.free_slots and self.slot_use:
+            slot, page = self.slot_use.popitem(last=False)
+            del self.snap_of[page]
+            self.free_slots.append(slot)
+        return self.free_slots.pop() if self.free_slots else None

@@ -102,3 +102,33 @@ def test_bad_response_formats_are_clear_errors(grammars):
         with pytest.raises(ValueError, match=word):
             grammars.compile(fmt)
     assert grammars.compile({"type": "text"}) is None and grammars.compile(None) is None
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                           "city": {"type": "string", "maxLength": 16},
+                                           "adult": {"type": "boolean"}},
+          "required": ["name", "city", "adult"]}
+
+
+@pytest.mark.parametrize("params", [{}, dict(temperature=0.8, top_p=0.95, seed=3)], ids=["greedy", "sampled"])
+def test_a_json_schema_reply_from_smollm2_validates_and_drafted_equals_plain(params):
+    from tfjax import api, packaged
+
+    llm = _smollm2(api, packaged)
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    messages = [{"role": "user", "content": "Describe a person who lives in Paris as JSON."}]
+    drafted = llm.generate(messages, max_tokens=120, response_format=fmt, **params)
+    plain = llm.generate(messages, max_tokens=120, response_format=fmt, draft=False, **params)
+    assert drafted.finish_reason == "stop", drafted
+    jsonschema.validate(json.loads(drafted.text), PERSON)
+    assert drafted.token_sha256 == plain.token_sha256
+
+
+_LLM = {}
+
+
+def _smollm2(api, packaged):
+    """One SmolLM2 engine for the module (a real 49k vocabulary)."""
+    if "llm" not in _LLM:
+        _LLM["llm"] = api.load(packaged.ensure_converted("smollm2"), lanes=2, width=6, context=512, copy_match=3)
+    return _LLM["llm"]

@@ -250,10 +250,16 @@ class Server:
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = max(min(self.max_tokens, lanes.context - len(ids) - lanes.width), 1)
-        req = self.llm.request(ids, max_tokens=max_tokens, temperature=params.temperature, top_k=params.top_k,
-                               top_p=params.top_p, min_p=params.min_p, seed=params.seed, stop=list(params.stop),
-                               draft=params.draft and self.drafts, ignore_eos=params.ignore_eos,
-                               on_tokens=stream.on_tokens)
+        if any(not 0 <= t < self.engine.runner.vocab for t in params.sampling.get("logit_bias", {})):
+            raise ApiError(400, f"logit_bias token ids must be in [0, {self.engine.runner.vocab})", "invalid_value",
+                           "logit_bias")
+        try:  # response_format compiles here: a schema the grammar library refuses is a 400
+            req = self.llm.request(ids, max_tokens=max_tokens, temperature=params.temperature, top_k=params.top_k,
+                                   top_p=params.top_p, min_p=params.min_p, seed=params.seed, stop=list(params.stop),
+                                   draft=params.draft and self.drafts, ignore_eos=params.ignore_eos,
+                                   on_tokens=stream.on_tokens, **params.sampling)
+        except ValueError as e:
+            raise ApiError(400, str(e), "invalid_value", "response_format") from None
         req.on_finish = stream.on_finish
         try:
             self.engine.scheduler.check(req)
@@ -306,7 +312,9 @@ class Server:
             return JSONResponse(protocol.error_body(f"generation failed: {result.error}", "server_error",
                                                     "generation_failed"), status_code=500)
         text, _ = stream.final(result)
-        return JSONResponse(protocol.reply(params, rid, model, created, text, result, draft))
+        body = protocol.reply(params, rid, model, created, text, result, draft)
+        body["choices"][0]["logprobs"] = protocol.logprobs_body(chat, self.llm.tokenizer, result)
+        return JSONResponse(body)
 
     def _record(self, result: Result, stream: Stream, started: float) -> None:
         outcome = {"stop": "ok", "length": "ok"}.get(result.finish_reason, result.finish_reason)
@@ -347,7 +355,9 @@ class Server:
                 _, tail = stream.final(result)
                 if tail:
                     yield event(protocol.chunk(params, rid, model, created, text=tail))
-                yield event(protocol.chunk(params, rid, model, created, finish_reason=result.finish_reason))
+                end = protocol.chunk(params, rid, model, created, finish_reason=result.finish_reason)
+                end["choices"][0]["logprobs"] = protocol.logprobs_body(params.chat, self.llm.tokenizer, result)
+                yield event(end)
                 yield event(protocol.usage_chunk(params, rid, model, created, result, req.draft))
             yield "data: [DONE]\n\n"
         finally:

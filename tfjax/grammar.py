@@ -5,7 +5,8 @@ We store it dense, `next[state, token]` (-1: not allowed), so the jitted round c
 its own proposals (row j's state has consumed proposals 0..j-1) and mask every verify row: a constrained
 lane drafts and stays exact. EOS is allowed only in final states. Several grammars share one table, each
 at its own state offset. xgrammar was measured too (faster to compile) but is a pushdown automaton with a
-host-side stack, which the round cannot walk over proposals it makes on the device (docs/grammar.md).
+host-side stack, which the round cannot walk over proposals it makes on the device
+(docs/sampling_processors.md).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -196,7 +196,3 @@ def advance(table: jax.Array, states: jax.Array, chosen: jax.Array, committed: j
     nxt = table[jnp.maximum(s, 0), chosen[lanes, last]]
     return jnp.where((committed > 0) & (s >= 0), nxt, old)
 
-
-def parse_check(text: str) -> Any:
-    """The JSON value of a constrained reply (used by tests and the server's validation)."""
-    return json.loads(text)

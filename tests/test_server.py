@@ -189,9 +189,16 @@ BAD = [
     ({"messages": [{"role": "user", "content": "x"}], "model": "gpt-4o"}, 404, "model_not_found"),
     ({"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}}, 400,
      "invalid_value"),
-    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "unsupported_parameter"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400, "invalid_type"),
-    ({"messages": [{"role": "user", "content": "x"}], "repetition_penalty": 1.1}, 400, "unknown_parameter"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, 400, "invalid_value"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "invalid_value"),
+    ({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 2.5}, 400, "invalid_value"),
+    ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"x": 1}}, 400, "invalid_value"),
+    ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"10": 101}}, 400, "invalid_value"),
+    ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"999999": 1}}, 400, "invalid_value"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}, 400, "invalid_type"),
+    ({"messages": [{"role": "user", "content": "x"}], "repetition_penalty": 0}, 400, "invalid_value"),
+    ({"messages": [{"role": "user", "content": "x"}], "frequency_penalty_x": 1}, 400, "unknown_parameter"),
     ({"max_tokens": 4}, 400, "missing_required_parameter"),
     ({"messages": [{"role": "user", "content": "word " * 300}]}, 400, "context_length_exceeded"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 250}, 400, "context_length_exceeded"),
@@ -329,3 +336,26 @@ def test_bench_concurrent_runs_a_small_matrix_and_writes_every_field(served, tmp
     assert run.returncode == 0, run.stderr
     for c in json.loads(again.read_text())["cells"]:
         assert c["baseline"]["hashes_equal"] == c["baseline"]["hashes_total"] == 1
+
+
+def test_logprobs_penalties_and_a_json_schema_come_back_in_openai_shapes(served):
+    url, _ = served
+    msgs = [{"role": "user", "content": "hello"}]
+    got, reply, _ = post(url, "/v1/chat/completions", {"messages": msgs, "max_tokens": 6, "logprobs": True,
+                                                        "top_logprobs": 2, "presence_penalty": 0.5,
+                                                        "logit_bias": {"42": -100}})
+    assert got == 200, reply
+    content = reply["choices"][0]["logprobs"]["content"]
+    assert len(content) == reply["usage"]["completion_tokens"]
+    assert all(len(c["top_logprobs"]) == 2 and c["logprob"] <= 0 and bytes(c["bytes"]) for c in content)
+    got, reply, _ = post(url, "/v1/completions", {"prompt": "hello", "max_tokens": 5, "logprobs": 3})
+    lp = reply["choices"][0]["logprobs"]
+    assert got == 200 and len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 5
+    assert all(len(t) == 3 for t in lp["top_logprobs"]) and lp["text_offset"][0] == 0
+    schema = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}, "b": {"type": "boolean"}},
+              "required": ["a", "b"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "ab", "schema": schema}}
+    got, reply, _ = post(url, "/v1/chat/completions", {"messages": msgs, "max_tokens": 40, "response_format": fmt})
+    assert got == 200 and reply["choices"][0]["finish_reason"] == "stop", reply
+    value = json.loads(reply["choices"][0]["message"]["content"])
+    assert value["a"] in ("x", "y") and isinstance(value["b"], bool)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from tfjax import checkpoint, ops
+from tfjax import checkpoint, grammar, ops
 from tfjax.engine import Engine, Request, Result
 from tfjax.lanes.config import LaneConfig
 from tfjax.lanes.drafter import RoundFacts
@@ -27,6 +27,8 @@ class Generation:
     prompt_tokens: int
     error: str | None = None  # what ended the reply when finish_reason is "error"
     cached_tokens: int = 0  # prompt tokens resumed from the prefix cache instead of prefilled
+    logprobs: list[float] | None = None  # per token, when asked (`logprobs=True` or `top_logprobs`)
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token: (id, logprob), most likely first
 
 
 # Sampling fields a checkpoint's generation_config.json may set for requests that leave them out (as vLLM does),
@@ -82,6 +84,7 @@ class LLM:
                     serving_layout(m)
         self.lanes = LaneConfig(capacity=lanes, width=width, context=context)
         eos = tuple(self.tokenizer.eos_ids) or self.config.eos_token_id
+        self.grammars = grammar.Grammars(self.tokenizer, eos, self.config.vocab_size)  # response_format
         self.engine = Engine(self.model, self.lanes, drafter=draft_model, eos_ids=eos, prefix_cache_gb=prefix_cache_gb)
         if copy_match or not copies:  # copy_match replaces the merged facts' match; copies=False turns them off
             facts = self.engine.runner.spec.facts
@@ -103,11 +106,15 @@ class LLM:
 
     def request(self, prompt, *, max_tokens: int = 128, temperature: float | None = None, top_k: int | None = None,
                 top_p: float | None = None, min_p: float | None = None, seed: int | None = None,
-                stop: list[str] | None = None, draft: bool = True, ignore_eos: bool = False, on_tokens=None) -> Request:
+                stop: list[str] | None = None, draft: bool = True, ignore_eos: bool = False, on_tokens=None,
+                presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+                logit_bias: dict[int, float] | None = None, logprobs: bool = False, top_logprobs: int = 0,
+                response_format: dict | None = None) -> Request:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         ids = self.encode(prompt)
         knobs = self.sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+        token_grammar = self.grammars.compile(response_format)
         stop_check = None
         if stop:
             def stop_check(out: list[int], stops=tuple(stop)) -> int | None:
@@ -121,11 +128,14 @@ class LLM:
                     n -= 1
                 return n
         return Request(ids, max_tokens=max_tokens, **knobs, seed=seed, draft=draft, ignore_eos=ignore_eos,
-                       stop_check=stop_check, on_tokens=on_tokens)
+                       stop_check=stop_check, on_tokens=on_tokens, presence_penalty=presence_penalty,
+                       frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
+                       logit_bias=logit_bias, logprobs=logprobs, top_logprobs=top_logprobs, grammar=token_grammar)
 
     def _reply(self, r: Result) -> Generation:
         return Generation(self.tokenizer.decode(r.token_ids, skip_special_tokens=True), r.token_ids, r.token_sha256,
-                          r.finish_reason, r.tokens_per_round, r.prompt_tokens, r.error, r.cached_tokens)
+                          r.finish_reason, r.tokens_per_round, r.prompt_tokens, r.error, cached_tokens=r.cached_tokens,
+                          logprobs=r.logprobs, top_logprobs=r.top_logprobs)
 
     def generate(self, prompt: str | list[dict], **kw) -> Generation:
         """Generate for one prompt (text, or chat messages)."""

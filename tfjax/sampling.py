@@ -185,3 +185,131 @@ def default_seed(prompt_ids: Sequence[int] | np.ndarray) -> int:
 def token_sha256(ids: Sequence[int] | np.ndarray) -> str:
     """Hex sha256 of token ids as little-endian int32 bytes: the exactness receipt in every reply."""
     return hashlib.sha256(np.asarray(ids, dtype="<i4").tobytes()).hexdigest()
+
+
+BIAS_LIMIT = 300  # OpenAI's cap on logit_bias entries
+TOP_LOGPROBS = 20  # the most alternatives a reply may ask for (static: the round always computes this many)
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["presence", "frequency", "repetition", "bias", "prompt_seen", "counts", "used", "logprobs"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class Processors:
+    """Per-lane logit processors (data, not static): penalties, logit_bias and the counts they read.
+
+    Row j of a round sees `counts` (the lane's output so far, the pending token included) plus the round's
+    proposals 0..j-1, so a verify row gets exactly the logits the plain path would: that keeps drafting exact.
+    """
+
+    presence: jax.Array  # f32 [L], OpenAI presence_penalty (0: off)
+    frequency: jax.Array  # f32 [L], OpenAI frequency_penalty (0: off)
+    repetition: jax.Array  # f32 [L], HF/vLLM repetition_penalty over prompt + output (1: off)
+    bias: jax.Array  # f32 [L, V], logit_bias added (0: none)
+    prompt_seen: jax.Array  # bool [L, V], tokens of the prompt (for the repetition penalty)
+    counts: jax.Array  # i32 [L, V], output tokens so far
+    used: jax.Array  # bool [L], any processor on (lanes without leave logits bit for bit)
+    logprobs: jax.Array  # bool [L], the reply wants log-probabilities
+
+    @classmethod
+    def create(cls, lanes: int, vocab: int) -> Processors:
+        """Every processor off for `lanes` lanes."""
+        return cls(jnp.zeros((lanes,), jnp.float32), jnp.zeros((lanes,), jnp.float32), jnp.ones((lanes,), jnp.float32), jnp.zeros((lanes, vocab), jnp.float32),
+                   jnp.zeros((lanes, vocab), bool), jnp.zeros((lanes, vocab), jnp.int32), jnp.zeros((lanes,), bool),
+                   jnp.zeros((lanes,), bool))
+
+    @classmethod
+    def for_request(cls, vocab: int, prompt: Sequence[int], presence_penalty: float = 0.0,
+                    frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+                    logit_bias: dict[int, float] | None = None, logprobs: bool = False) -> Processors:
+        """One lane's processors before its first token (checked here, on the host)."""
+        for name, value, lo, hi in (("presence_penalty", presence_penalty, -2.0, 2.0),
+                                    ("frequency_penalty", frequency_penalty, -2.0, 2.0)):
+            if not np.isfinite(value) or not lo <= value <= hi:
+                raise ValueError(f"{name} {value} must be in [{lo}, {hi}]")
+        if not np.isfinite(repetition_penalty) or repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty {repetition_penalty} must be > 0 (1: off)")
+        bias = np.zeros((1, vocab), np.float32)
+        logit_bias = dict(logit_bias or {})
+        if len(logit_bias) > BIAS_LIMIT:
+            raise ValueError(f"logit_bias has {len(logit_bias)} entries; at most {BIAS_LIMIT} are allowed")
+        for tok, value in logit_bias.items():
+            if not 0 <= int(tok) < vocab:
+                raise ValueError(f"logit_bias token {tok} is outside the vocabulary of {vocab}")
+            if not np.isfinite(value) or not -100 <= value <= 100:
+                raise ValueError(f"logit_bias value {value} for token {tok} must be in [-100, 100]")
+            bias[0, int(tok)] = value
+        seen = np.zeros((1, vocab), bool)
+        seen[0, np.asarray(prompt, np.int64)] = True
+        used = presence_penalty != 0 or frequency_penalty != 0 or repetition_penalty != 1 or bool(np.any(bias))
+        return cls(jnp.float32([presence_penalty]), jnp.float32([frequency_penalty]),
+                   jnp.float32([repetition_penalty]), jnp.asarray(bias), jnp.asarray(seen),
+                   jnp.zeros((1, vocab), jnp.int32), jnp.asarray([used]), jnp.asarray([bool(logprobs)]))
+
+
+def _row_counts(counts: jax.Array, rows: jax.Array) -> jax.Array:
+    """Counts [L, R, V] seen by each row: the lane's counts plus rows 1..j (proposals before row j)."""
+    vocab = counts.shape[-1]
+    onehot = (rows[..., None] == jnp.arange(vocab, dtype=rows.dtype)).astype(jnp.int32)  # [L, R, V]
+    before = jnp.cumsum(onehot, axis=1) - onehot[:, :1]  # row 0 (the pending token) is counted already
+    return counts[:, None, :] + before
+
+
+def apply_processors(logits: jax.Array, rows: jax.Array, proc: Processors) -> jax.Array:
+    """Logits [L, R, V] f32 after repetition, frequency/presence penalties and logit_bias (that order).
+
+    `rows` [L, R] are the round's verify rows (pending token, proposals). Lanes with no processor on keep
+    their logits bit for bit, and a round where no lane uses one skips the work.
+    """
+    def processed(x: jax.Array) -> jax.Array:
+        counts = _row_counts(proc.counts, rows)  # [L, R, V]
+        seen = proc.prompt_seen[:, None, :] | (counts > 0)
+        rep = proc.repetition[:, None, None]
+        y = jnp.where(seen & (rep != 1), jnp.where(x > 0, x / rep, x * rep), x)
+        pen = proc.frequency[:, None, None] * counts + proc.presence[:, None, None] * (counts > 0)
+        y = jnp.where(counts > 0, y - pen, y)
+        bias = proc.bias[:, None, :]
+        y = jnp.where(bias != 0, y + bias, y)
+        return jnp.where(proc.used[:, None, None], y, x)
+
+    return jax.lax.cond(jnp.any(proc.used), processed, lambda x: x, logits)
+
+
+def add_tokens(proc: Processors, tokens: jax.Array, keep: jax.Array) -> Processors:
+    """Count committed tokens [L, W] (where `keep`) into the lanes' output counts."""
+    vocab = proc.counts.shape[-1]
+    lanes = jnp.arange(tokens.shape[0])[:, None]
+    counts = proc.counts.at[lanes, jnp.where(keep, tokens, vocab)].add(1, mode="drop")
+    return dataclasses.replace(proc, counts=counts)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["logprob", "top_ids", "top_logprobs"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class Logprobs:
+    """The chosen tokens' log-probabilities [L, R] and the top TOP_LOGPROBS alternatives [L, R, K]."""
+
+    logprob: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+
+
+def logprobs(logits: jax.Array, chosen: jax.Array, wanted: jax.Array) -> Logprobs:
+    """Log-softmax of the model's raw logits (before penalties, bias, grammar and temperature, as vLLM's
+    default) at the chosen tokens, plus the top alternatives; zeros when no lane wants them."""
+    n_lanes, rows, vocab = logits.shape
+    k = min(TOP_LOGPROBS, vocab)
+
+    def compute(_: None) -> Logprobs:
+        lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        top_lp, top_ids = jax.lax.top_k(lp, k)
+        return Logprobs(jnp.take_along_axis(lp, chosen[..., None], axis=-1)[..., 0], top_ids.astype(jnp.int32),
+                        top_lp)
+
+    def none(_: None) -> Logprobs:
+        return Logprobs(jnp.zeros((n_lanes, rows), jnp.float32), jnp.zeros((n_lanes, rows, k), jnp.int32),
+                        jnp.zeros((n_lanes, rows, k), jnp.float32))
+
+    return jax.lax.cond(jnp.any(wanted), compute, none, None)

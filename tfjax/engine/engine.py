@@ -20,6 +20,8 @@ import dataclasses
 import logging
 import threading
 
+import jax
+
 from tfjax import sampling
 from tfjax.engine import prefix_cache
 from tfjax.engine.runner import Runner, cache_bytes
@@ -41,6 +43,8 @@ class Result:
     proposed: int
     error: str | None = None
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache (not prefilled)
+    logprobs: list[float] | None = None  # per token, when the request asked (Request.logprobs)
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token: (id, logprob), most likely first
 
     @property
     def token_sha256(self) -> str:
@@ -73,6 +77,7 @@ class Engine:
         self._inflight = None  # (RoundOut, {lane: request id}) of the round dispatched but not yet read
 
     def submit(self, request: Request) -> int:
+        self._processors(request)  # bad penalties or logit_bias: a ValueError for the caller, not a failed lane
         with self.lock:
             self.scheduler.submit(request)
         return request.id
@@ -102,6 +107,25 @@ class Engine:
         return sampling.SamplingParams.create(1, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
                                               min_p=req.min_p, seed=seed)
 
+    def _processors(self, req: Request) -> sampling.Processors:
+        if not 0 <= req.top_logprobs <= sampling.TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs {req.top_logprobs} must be in [0, {sampling.TOP_LOGPROBS}]")
+        return sampling.Processors.for_request(
+            self.runner.vocab, req.prompt, req.presence_penalty, req.frequency_penalty, req.repetition_penalty,
+            req.logit_bias, logprobs=req.logprobs or req.top_logprobs > 0)
+
+    @staticmethod
+    def _wants_logprobs(req: Request) -> bool:
+        return req.logprobs or req.top_logprobs > 0
+
+    def _add_logprobs(self, slot: LaneSlot, logprob, top_ids, top_lp, n: int) -> None:
+        """Append a lane's first `n` row logprobs, then keep one per output token (stops cut tokens)."""
+        k = slot.request.top_logprobs
+        slot.logprobs.extend(float(x) for x in logprob[:n])
+        slot.top_logprobs.extend([(int(i), float(v)) for i, v in zip(ids[:k], vals[:k], strict=True)]
+                                 for ids, vals in zip(top_ids[:n], top_lp[:n], strict=True))
+        del slot.logprobs[len(slot.output):], slot.top_logprobs[len(slot.output):]
+
     def _deliver(self, slot: LaneSlot, tokens: list[int]) -> None:
         if tokens and slot.request.on_tokens is not None:
             slot.request.on_tokens(tokens)
@@ -120,9 +144,11 @@ class Engine:
         slot = self.scheduler.finish(lane)
         if release:
             self.runner.release(lane)
+        wants = self._wants_logprobs(slot.request)
         self._complete(slot.request, Result(slot.request.id, len(slot.request.prompt), slot.output,
                                             slot.finish_reason or "stop", slot.rounds, slot.proposed, slot.error,
-                                            slot.plan.resume))
+                                            cached_tokens=slot.plan.resume, logprobs=slot.logprobs if wants else None,
+                                            top_logprobs=slot.top_logprobs if wants else None))
 
     def _fail(self, lane: int, error: Exception) -> None:
         """End one lane's request with finish_reason "error"; the other lanes go on."""
@@ -149,10 +175,13 @@ class Engine:
 
     def _admit(self, req: Request, lane: int, plan: prefix_cache.Plan) -> None:
         first = self.runner.prefill(lane, req.prompt, self._sampling(req), req.draft, plan.pages, plan.resume,
-                                    plan.restore, plan.saves)
+                                    plan.restore, plan.saves, proc=self._processors(req), token_grammar=req.grammar)
         self.prefix.commit(req.prompt, plan)
         slot = self.scheduler.running[lane]
         kept = self.scheduler.take(lane, [first], self.eos_ids)
+        if self._wants_logprobs(req):
+            lp = jax.device_get(self.runner.first_logprobs)
+            self._add_logprobs(slot, lp.logprob[0], lp.top_ids[0], lp.top_logprobs[0], 1)
         slot.rounds -= 1  # the prompt's token is not a round
         self._deliver(slot, kept)
 
@@ -190,6 +219,9 @@ class Engine:
             self._reset(e)
             return
         self.rounds += 1
+        lps = None
+        if any(self._wants_logprobs(s.request) for s in self.scheduler.running.values()):
+            lps = self.runner.collect_logprobs(out)
         for lane, request_id in live.items():
             slot = self.scheduler.running.get(lane)
             if slot is None or slot.request.id != request_id:  # ended (or replaced) since the dispatch
@@ -197,6 +229,8 @@ class Engine:
             n = int(count[lane])
             try:
                 kept = self.scheduler.take(lane, [int(t) for t in tokens[lane, :n]], self.eos_ids, int(proposed[lane]))
+                if lps is not None and self._wants_logprobs(slot.request):
+                    self._add_logprobs(slot, lps[0][lane], lps[1][lane], lps[2][lane], n)
                 self._deliver(slot, kept)
             except Exception as e:
                 self._fail(lane, e)

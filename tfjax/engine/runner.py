@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tfjax import models, sampling
+from tfjax import grammar, models, sampling
 from tfjax.lanes import blocks, snapshots
 from tfjax.lanes import round as lane_round_mod
 from tfjax.lanes.config import LaneConfig
@@ -31,6 +31,10 @@ class Runner:
         self.pages = lanes.capacity * lanes.pages_per_lane + extra_pages  # extra pages hold cached prefixes
         self.snapshot_slots = snapshot_slots
         self._models = (target, drafter)
+        self.vocab = target.config.vocab_size
+        self.grammars = grammar.Table(self.vocab)  # grammars of the live constrained lanes, packed
+        self.constrained: set[int] = set()  # lanes whose request has a grammar
+        self.first_logprobs: sampling.Logprobs | None = None  # of the last prefill's first token
         self.reset()
         target_facts = target_facts or ModelFacts(root_copies=True, enter_match=lanes.enter_match)
         self.spec = lane_round_mod.RoundSpec(lanes, round_facts(target_facts, drafter_facts))
@@ -47,9 +51,12 @@ class Runner:
             active=jnp.zeros((n,), bool), drafting=jnp.zeros((n,), bool),
             sampling=sampling.SamplingParams.create(n), cache=cache, draft_cache=draft_cache,
             draft_len=jnp.zeros((n,), jnp.int32),
-            block=blocks.empty_blocks(n, drafter.config.block_size) if self.block_drafter else None)
+            block=blocks.empty_blocks(n, drafter.config.block_size) if self.block_drafter else None,
+            proc=sampling.Processors.create(n, self.vocab), gstate=jnp.full((n,), -1, jnp.int32))
         self.pools = [snapshots.empty_pool(cache, self.snapshot_slots), snapshots.empty_pool(draft_cache,
                                                                                               self.snapshot_slots)]
+        self.grammars.clear()
+        self.constrained.clear()
 
     def set_facts(self, facts: RoundFacts) -> None:
         """Swap the static facts (a new compile key for the round)."""
@@ -81,14 +88,33 @@ class Runner:
             self._snapshot(which, cache, lane, s + n, saves)
         return logits, cache
 
+    def _place_grammar(self, lane: int, g: grammar.TokenGrammar | None) -> int:
+        """The lane's initial grammar state in the device table (-1: none), uploading a new grammar."""
+        self.constrained.discard(lane)
+        if g is None:
+            return -1
+        if not self.constrained:  # no live lane reads the table: start it afresh
+            self.grammars.clear()
+        size = self.grammars.size
+        initial = self.grammars.place(g)
+        self.constrained.add(lane)
+        have = 0 if self.state.grammar is None else self.state.grammar.shape[0]
+        if self.grammars.size != size or have < self.grammars.size:
+            cap = max(have, grammar.capacity_for(self.grammars.size))  # a new capacity is a new compile
+            self.state.grammar = jnp.asarray(self.grammars.array(cap))
+        return initial
+
     def prefill(self, lane: int, prompt: list[int], params: sampling.SamplingParams, drafting: bool,
                 pages: list[int], resume: int = 0, restore: int | None = None,
-                saves: dict[int, int] | None = None) -> int:
+                saves: dict[int, int] | None = None, proc: sampling.Processors | None = None,
+                token_grammar: grammar.TokenGrammar | None = None) -> int:
         """Feed a prompt into `lane` (and the drafter), pick its first token, and make the lane live.
 
         With a cached prefix, the first `resume` tokens (a chunk-grid point) are already in `pages`; snapshot slot
         `restore` holds the DeltaNet state there. `saves` maps grid boundaries to slots to snapshot into."""
         saves = saves or {}
+        proc = proc if proc is not None else sampling.Processors.for_request(self.vocab, prompt)
+        initial = self._place_grammar(lane, token_grammar)
         prompt_arr = np.asarray(prompt, np.int32)
         row = np.zeros((self.lanes.pages_per_lane,), np.int32)
         row[: len(pages)] = pages
@@ -105,12 +131,16 @@ class Runner:
             st.draft_cache.page_table = st.draft_cache.page_table.at[lane].set(jnp.asarray(row))
             _, st.draft_cache = self._prefill_model(1, self.drafter_def, self.drafter_params, st.draft_cache, lane,
                                                     prompt_arr, resume, restore, saves)
-        first = int(_first_token(logits, jnp.int32(len(prompt)), params)[0])
+        first_arr, self.first_logprobs = _first_token(logits, jnp.int32(len(prompt)), params, proc,
+                                                      self.state.grammar, jnp.int32([initial]))
+        first = int(first_arr[0])
         history = np.zeros((self.lanes.context,), np.int32)
         history[: len(prompt)] = prompt_arr
         history[len(prompt)] = first
         self.state = lane_round_mod.admit(st, jnp.int32(lane), jnp.asarray(history), jnp.int32(len(prompt) + 1),
                                           jnp.bool_(drafting), params, jnp.asarray(row))
+        self.state = lane_round_mod.admit_processors(self.state, jnp.int32(lane), proc, jnp.int32(first),
+                                                     jnp.int32(initial))
         if self.block_drafter:
             self.state = blocks.first_block(self.target_def, self.target_params, self.drafter_def,
                                             self.drafter_params, self.state, jnp.int32(lane))
@@ -140,14 +170,28 @@ class Runner:
         tokens, count, proposed = jax.device_get((out.tokens, out.count, out.proposed))
         return tokens, count, proposed
 
+    @staticmethod
+    def collect_logprobs(out: lane_round_mod.RoundOut) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A round's chosen-token logprobs [L, W], top ids and top logprobs [L, W, K] (waits for it)."""
+        lp = out.logprobs
+        return jax.device_get((lp.logprob, lp.top_ids, lp.top_logprobs))
+
     def release(self, lane: int) -> None:
+        self.constrained.discard(lane)
         self.state = lane_round_mod.release(self.state, jnp.int32(lane))
 
 
 @jax.jit
-def _first_token(logits: jax.Array, position: jax.Array, params: sampling.SamplingParams) -> jax.Array:
-    """The token after the prompt, chosen by the lane's keyed sampler (lane params sliced to one row)."""
-    return sampling.sample(logits[:, None, :], position[None, None], params)[:, 0]
+def _first_token(logits: jax.Array, position: jax.Array, params: sampling.SamplingParams,
+                 proc: sampling.Processors, table: jax.Array | None,
+                 gstate: jax.Array) -> tuple[jax.Array, sampling.Logprobs]:
+    """The token after the prompt, chosen by the lane's keyed sampler after its processors and grammar
+    (lane params sliced to one row), and its logprobs."""
+    state = lane_round_mod.LaneState(None, None, None, None, params, None, None, None, proc=proc, grammar=table,
+                                     gstate=gstate)
+    scores, _ = lane_round_mod.choose_scores(logits[:, None, :], jnp.zeros((1, 1), jnp.int32), state)
+    token = sampling.sample(scores, position[None, None], params)
+    return token[:, 0], sampling.logprobs(logits[:, None, :], token, proc.logprobs)
 
 
 def cache_bytes(models_: tuple, page_size: int) -> tuple[int, int]:

@@ -30,6 +30,13 @@ class Request:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
+    presence_penalty: float = 0.0  # OpenAI: minus this for every token already in the output
+    frequency_penalty: float = 0.0  # OpenAI: minus this times the token's count in the output
+    repetition_penalty: float = 1.0  # HF/vLLM: logits of prompt and output tokens divided (>0) or multiplied
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    logprobs: bool = False  # each token's log-probability (the model's log-softmax) in the Result
+    top_logprobs: int = 0  # that many most likely alternatives per token (<= sampling.TOP_LOGPROBS)
+    grammar: Any = None  # a compiled tfjax.grammar.TokenGrammar the output must follow (response_format)
     draft: bool = True
     stop_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -51,6 +58,8 @@ class LaneSlot:
     proposed: int = 0
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list[float] = dataclasses.field(default_factory=list)  # per output token, when asked
+    top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
 
 
 class Scheduler:

@@ -22,7 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from tfjax import models, sampling
+from tfjax import grammar, models, sampling
 from tfjax.lanes.config import LaneConfig
 from tfjax.lanes.copies import propose_copies
 from tfjax.lanes.drafter import RoundFacts
@@ -55,6 +55,9 @@ class LaneState:
     draft_cache: Cache | None
     draft_len: jax.Array  # [L] i32, positions the drafter has absorbed
     block: jax.Array | None = None  # [L, B-1] i32, a block drafter's proposals for the next round
+    proc: sampling.Processors | None = None  # penalties, logit_bias, logprobs wanted (per lane, data)
+    grammar: jax.Array | None = None  # [S, V] i32 packed grammar table (grammar.py), None until first used
+    gstate: jax.Array | None = None  # [L] i32 each lane's grammar state after its history (-1: none)
 
 
 @jax.tree_util.register_dataclass
@@ -65,6 +68,7 @@ class RoundOut:
     tokens: jax.Array
     count: jax.Array
     proposed: jax.Array
+    logprobs: sampling.Logprobs | None = None  # of every row's chosen token (zeros when no lane wants them)
 
 
 def _forward(graphdef, params, tokens, start, valid, cache, mode):
@@ -155,7 +159,9 @@ def lane_round(target_def, target_params, drafter_def, drafter_params, state: La
     logits, cache, traces, *taps = _forward(target_def, target_params, rows, start, jnp.full_like(start, width),
                                             state.cache, mode)
     positions = length[:, None] + jnp.arange(width)[None, :]
-    chosen = sampling.sample(logits, positions, state.sampling)  # [L, W]
+    scores, row_gstates = choose_scores(logits, rows, state)
+    chosen = sampling.sample(scores, positions, state.sampling)  # [L, W]
+    logprobs = None if state.proc is None else sampling.logprobs(logits, chosen, state.proc.logprobs)
 
     # 3. accept: leading proposals that equal the target's own token, then the bonus token
     agree = (proposals == chosen[:, :n_prop]) & (jnp.arange(n_prop)[None, :] < count[:, None])
@@ -185,9 +191,41 @@ def lane_round(target_def, target_params, drafter_def, drafter_params, state: La
                                    jnp.where(state.active, new_len - 1, context), draft_cache)
 
         block = jax.lax.cond(jnp.any(wanted), draft, lambda _: state.block, None)
+    proc, gstate = state.proc, state.gstate
+    if proc is not None:
+        proc = sampling.add_tokens(proc, chosen, keep)
+    if state.grammar is not None:
+        gstate = grammar.advance(state.grammar, row_gstates, chosen, committed, state.gstate)
     new = dataclasses.replace(state, history=history, length=length + committed, cache=cache,
-                              draft_cache=draft_cache, draft_len=draft_len, block=block)
-    return new, RoundOut(jnp.where(keep, chosen, -1), committed, count)
+                              draft_cache=draft_cache, draft_len=draft_len, block=block, proc=proc, gstate=gstate)
+    return new, RoundOut(jnp.where(keep, chosen, -1), committed, count, logprobs)
+
+
+def choose_scores(logits: jax.Array, rows: jax.Array, state: LaneState) -> tuple[jax.Array, jax.Array | None]:
+    """The scores rows [L, R] are sampled from: f32 logits after the lanes' processors and grammar masks,
+    each row seeing its lane's committed tokens plus the proposals before it; also the rows' grammar states."""
+    scores = logits.astype(jnp.float32)
+    if state.proc is not None:
+        scores = sampling.apply_processors(scores, rows, state.proc)
+    states = None
+    if state.grammar is not None:
+        states = grammar.row_states(state.grammar, state.gstate, rows)
+        scores = grammar.mask_logits(scores, state.grammar, states)
+    return scores, states
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def admit_processors(state: LaneState, lane: jax.Array, proc: sampling.Processors, first: jax.Array,
+                     gstate: jax.Array) -> LaneState:
+    """Give `lane` its request's processors (first token counted) and grammar state (after `first`)."""
+    vocab = state.proc.counts.shape[-1]
+    row = dataclasses.replace(proc, counts=proc.counts.at[0, first].add(1, mode="drop"))
+    new = jax.tree.map(lambda a, v: a.at[lane].set(v[0]), state.proc, row)
+    g = state.gstate
+    if state.grammar is not None:
+        after = state.grammar[jnp.maximum(gstate, 0), jnp.clip(first, 0, vocab - 1)]
+        g = g.at[lane].set(jnp.where(gstate >= 0, after, -1))
+    return dataclasses.replace(state, proc=new, gstate=g)
 
 
 def lanes_wanting_a_block(history: jax.Array, length: jax.Array, live: jax.Array, copy_match: int,
@@ -234,4 +272,11 @@ def release(state: LaneState, lane: jax.Array) -> LaneState:
     temperature or top-k never sends the live lanes' rounds down the sampled or sorting path."""
     idle = sampling.SamplingParams.create(1)
     samp = jax.tree.map(lambda a, v: a.at[lane].set(v.reshape(())), state.sampling, idle)
-    return dataclasses.replace(state, active=state.active.at[lane].set(False), sampling=samp)
+    proc, gstate = state.proc, state.gstate  # processors off, so an idle lane never turns their work on
+    if proc is not None:
+        proc = dataclasses.replace(proc, used=proc.used.at[lane].set(False),
+                                   logprobs=proc.logprobs.at[lane].set(False))
+    if gstate is not None:
+        gstate = gstate.at[lane].set(-1)
+    return dataclasses.replace(state, active=state.active.at[lane].set(False), sampling=samp, proc=proc,
+                               gstate=gstate)

@@ -313,13 +313,19 @@ class Server:
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = max(min(self.max_tokens, lanes.context - len(ids) - lanes.width), 1)
+        if any(not 0 <= t < self.engine.runner.vocab for t in params.sampling.get("logit_bias", {})):
+            raise ApiError(400, f"logit_bias token ids must be in [0, {self.engine.runner.vocab})", "invalid_value",
+                           "logit_bias")
         reqs = []
         for stream in streams:
             seed = None if params.seed is None else (params.seed + stream.index) % 2**32
-            req = self.llm.request(ids, max_tokens=max_tokens, temperature=params.temperature, top_k=params.top_k,
-                                   top_p=params.top_p, min_p=params.min_p, seed=seed, stop=list(params.stop),
-                                   draft=params.draft and self.drafts, ignore_eos=params.ignore_eos,
-                                   on_tokens=stream.on_tokens)
+            try:  # response_format compiles here: a schema the grammar library refuses is a 400
+                req = self.llm.request(ids, max_tokens=max_tokens, temperature=params.temperature, top_k=params.top_k,
+                                       top_p=params.top_p, min_p=params.min_p, seed=seed, stop=list(params.stop),
+                                       draft=params.draft and self.drafts, ignore_eos=params.ignore_eos,
+                                       on_tokens=stream.on_tokens, **params.sampling)
+            except ValueError as e:
+                raise ApiError(400, str(e), "invalid_value", "response_format") from None
             req.on_finish = stream.on_finish
             reqs.append(req)
         try:
@@ -391,6 +397,8 @@ class Server:
         draft = reqs[0].draft
         choices = [protocol.choice(params, i, text, r, draft) for i, (text, r) in enumerate(zip(texts, results,
                                                                                               strict=True))]
+        for c, r in zip(choices, results, strict=True):
+            c["logprobs"] = protocol.logprobs_body(params.chat, self.tokenizer, r)
         return JSONResponse(protocol.reply(params, rid, model, created, choices, results, draft))
 
     def _delta(self, stream: Stream, tokens: list[int], started: float) -> str:
@@ -450,7 +458,8 @@ class Server:
                 for ev in pieces(i, items):
                     yield ev
                 reason = "tool_calls" if calls[i] and result.finish_reason == "stop" else result.finish_reason
-                yield chunk(i, finish_reason=reason, extra=protocol.extras(result, draft))
+                yield chunk(i, finish_reason=reason, extra=protocol.extras(result, draft),
+                            logprobs=protocol.logprobs_body(params.chat, self.tokenizer, result))
             if params.include_usage:
                 yield _event(protocol.usage_chunk(params, rid, model, created, results, draft))
             yield "data: [DONE]\n\n"

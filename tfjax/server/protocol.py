@@ -23,17 +23,11 @@ IGNORED = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_
 # Fields we accept only at their "off" value, since we cannot honour anything else.
 OFF_VALUES: dict[str, tuple] = {
     "best_of": (None, 1),
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "echo": (None, False),
     "suffix": (None, ""),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
     "parallel_tool_calls": (None, True, False),
-    "response_format": (None, {"type": "text"}),
 }
 SAMPLING = ("max_tokens", "max_completion_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "draft",
             "ignore_eos", "stream", "stream_options", "model", "n")
@@ -42,6 +36,9 @@ MAX_N = 128  # OpenAI's bound on choices per request
 INT_MAX = 2**31 - 1  # integers the engine takes as int32
 # Template variables a request may not set through chat_template_kwargs: the server passes them itself.
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt"})
+# Logit processors, logprobs and structured output: checked by `parse_sampling_fields`.
+PROCESSORS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs", "top_logprobs",
+              "response_format")
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -67,6 +64,7 @@ class Params:
     tools: tuple[dict, ...] = ()
     tool_choice: str | None = None  # None, "none", "auto", "required", or the one function's name
     template_kwargs: dict = dataclasses.field(default_factory=dict)  # chat_template_kwargs
+    sampling: dict = dataclasses.field(default_factory=dict)  # parse_sampling_fields: LLM.request keywords
 
     @property
     def parse_tools(self) -> bool:
@@ -222,7 +220,7 @@ def parse_completion(body: dict, chat: bool, default_temperature: float = 1.0) -
     """Validate a /v1/chat/completions (chat) or /v1/completions body; every refusal is a 400 ApiError."""
     prompt_field = "messages" if chat else "prompt"
     for name in body:
-        if name in IGNORED or name in SAMPLING or name == prompt_field or (chat and name in CHAT_ONLY):
+        if name in IGNORED or name in SAMPLING or name in PROCESSORS or name == prompt_field or (chat and name in CHAT_ONLY):
             continue
         if name in OFF_VALUES:
             if body[name] not in OFF_VALUES[name]:
@@ -276,7 +274,70 @@ def parse_completion(body: dict, chat: bool, default_temperature: float = 1.0) -
         tools=tools,
         tool_choice=tool_choice,
         template_kwargs=kwargs,
+        sampling=parse_sampling_fields(body, chat),
     )
+
+
+def parse_sampling_fields(body: dict, chat: bool) -> dict:
+    """Penalties, logit_bias, logprobs and response_format as `LLM.request` keywords (400 naming the field).
+
+    Chat asks `logprobs: true` plus `top_logprobs` (0..20); completions ask `logprobs: n` (0..5 alternatives)."""
+    out = {"presence_penalty": float(_number(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0)),
+           "frequency_penalty": float(_number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0)),
+           "repetition_penalty": float(_number(body, "repetition_penalty", 1.0, lo=0.0, lo_open=True))}
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict) or len(bias) > 300:
+            raise _type_error("logit_bias", "an object of at most 300 token ids to numbers in [-100, 100]", bias)
+        out["logit_bias"] = {}
+        for key, value in bias.items():
+            if not str(key).isdigit() or isinstance(value, bool) or not isinstance(value, int | float) or \
+                    not -100 <= value <= 100:
+                raise ApiError(400, f"logit_bias entry {json.dumps(key)}: {json.dumps(value)} must map a token id to "
+                               "a number in [-100, 100]", "invalid_value", "logit_bias")
+            out["logit_bias"][int(key)] = float(value)
+    if chat:
+        out["logprobs"] = _bool(body, "logprobs", False)
+        out["top_logprobs"] = _number(body, "top_logprobs", 0, integer=True, lo=0, hi=20)
+        if out["top_logprobs"] and not out["logprobs"]:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "invalid_value", "top_logprobs")
+    else:
+        if body.get("top_logprobs") is not None:
+            raise ApiError(400, "completions ask alternatives with 'logprobs': n", "invalid_value", "top_logprobs")
+        n = _number(body, "logprobs", None, integer=True, lo=0, hi=5)
+        out["logprobs"], out["top_logprobs"] = n is not None, n or 0
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        spec = fmt.get("json_schema") if isinstance(fmt, dict) else None
+        if kind not in ("text", "json_object", "json_schema") or (
+                kind == "json_schema" and not (isinstance(spec, dict) and isinstance(spec.get("schema"), dict))):
+            raise _type_error("response_format", '{"type": "text"}, {"type": "json_object"} or {"type": '
+                              '"json_schema", "json_schema": {"name": ..., "schema": {...}}}', fmt)
+        out["response_format"] = fmt
+    return out
+
+
+def _token_entry(tokenizer, token: int, logprob: float) -> dict:
+    raw = tokenizer.token_bytes(token)
+    return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+
+def logprobs_body(chat: bool, tokenizer, result, start: int = 0, text_offset: int = 0) -> dict | None:
+    """OpenAI's logprobs of a reply's tokens from `start` on: chat `{"content": [...]}`, completions
+    `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`; None when the request asked none."""
+    if result.logprobs is None:
+        return None
+    ids, lps, tops = result.token_ids[start:], result.logprobs[start:], result.top_logprobs[start:]
+    if chat:
+        return {"content": [{**_token_entry(tokenizer, t, lp),
+                             "top_logprobs": [_token_entry(tokenizer, i, v) for i, v in top]}
+                            for t, lp, top in zip(ids, lps, tops, strict=True)]}
+    tokens = [tokenizer.token_bytes(t).decode("utf-8", errors="replace") for t in ids]
+    offsets = [text_offset + sum(len(x) for x in tokens[:k]) for k in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": lps, "text_offset": offsets,
+            "top_logprobs": [{tokenizer.token_bytes(i).decode("utf-8", errors="replace"): v for i, v in top}
+                             for top in tops]}
 
 
 def completion_id(chat: bool, request_id: int) -> str:
@@ -285,7 +346,7 @@ def completion_id(chat: bool, request_id: int) -> str:
 
 def chunk(params: Params, rid: str, model: str, created: int, *, index: int = 0, text: str | None = None,
           role: bool = False, tool_calls: list[dict] | None = None, finish_reason: str | None = None,
-          extra: dict | None = None) -> dict:
+          extra: dict | None = None, logprobs: dict | None = None) -> dict:
     """One streamed event of one choice: a role opener, a text delta, tool-call deltas, or the finish (whose
     `extra` carries tfjax's token hash and tokens per round)."""
     if params.chat:
@@ -295,10 +356,10 @@ def chunk(params: Params, rid: str, model: str, created: int, *, index: int = 0,
             delta = {"tool_calls": tool_calls}
         else:
             delta = {"content": text} if text is not None else {}
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
     else:
-        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         out = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
     return {**out, **(extra or {})}
 

@@ -1,0 +1,45 @@
+"""Does the processors' code cost a round where no lane uses it? SmolLM2, 2 lanes, interleaved (median of 5).
+
+Times `lane_round` with `LaneState.proc` absent (the code is not traced) against present but unused.
+`python scripts/bench_round_processors.py`
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import jax
+
+from tfjax import api, packaged, sampling
+
+
+def main() -> None:
+    llm = api.load(packaged.ensure_converted("smollm2"), lanes=2, width=6, context=1024, copy_match=3)
+    runner = llm.engine.runner
+    for lane in range(2):
+        runner.prefill(lane, llm.encode(f"Count to {lane + 20}: 1, 2, 3"), sampling.SamplingParams.create(1), True,
+                       list(range(lane * runner.lanes.pages_per_lane, (lane + 1) * runner.lanes.pages_per_lane)))
+    off = jax.tree.map(lambda a: a.copy(), runner.state.proc)  # the round donates the state it gets
+
+    def rounds(proc, n=12) -> float:
+        proc = None if proc is None else jax.tree.map(lambda a: a.copy(), proc)
+        runner.state = dataclasses.replace(runner.state, proc=proc)
+        jax.block_until_ready(runner.dispatch().tokens)  # compile / warm
+        t = time.perf_counter()
+        for _ in range(n):
+            out = runner.dispatch()
+        jax.block_until_ready(out.tokens)
+        return (time.perf_counter() - t) / n * 1e3
+
+    times = {"absent": [], "present, unused": []}
+    for _ in range(5):
+        times["absent"].append(rounds(None))
+        times["present, unused"].append(rounds(off))
+    for name, ts in times.items():
+        print(f"{name:16s} {statistics.median(ts):7.2f} ms/round (spread {max(ts) - min(ts):.2f})")
+
+
+if __name__ == "__main__":
+    main()

@@ -267,3 +267,27 @@ def test_chat_prompts_get_only_the_templates_bos(tmp_path):
     ids = LLM.encode(SimpleNamespace(tokenizer=tok), [{"role": "user", "content": "hello"}])
     assert ids.count(bos) == 1 and ids[0] == bos
     assert LLM.encode(SimpleNamespace(tokenizer=tok), "hello")[0] == bos
+
+
+def test_token_bytes_join_to_the_text_on_a_byte_level_vocabulary():
+    """logprobs' `bytes`: each token's bytes, which joined are the text, multibyte characters split across tokens."""
+    import os
+    from pathlib import Path
+
+    folder = Path(os.path.expanduser("~/.cache/tfjax/smollm2-bf16"))
+    if not (folder / "tokenizer.json").is_file():
+        from tfjax import packaged
+
+        folder = packaged.ensure_converted("smollm2")
+    tok = Tokenizer.from_dir(folder)
+    text = "Hello wörld ✓ 日本"
+    ids = tok.encode(text)
+    assert b"".join(tok.token_bytes(i) for i in ids).decode("utf-8") == text
+
+
+@pytest.mark.parametrize("style", ["llama2", "metaspace"])
+def test_token_bytes_join_to_the_text_on_a_sentencepiece_vocabulary(style):
+    """Byte-fallback pieces are their byte, `▁` a space: joined, the text with the space SentencePiece prepends."""
+    tok = Tokenizer(sentencepiece_tokenizer(style), None, {})
+    ids = tok.encode(SP_TEXT)
+    assert b"".join(tok.token_bytes(i) for i in ids).decode("utf-8") == " " + SP_TEXT

@@ -101,6 +101,10 @@ class Tokenizer:
         self.special_tokens = dict(special_tokens or {})  # bos_token, eos_token, pad_token, unk_token
         self.eos_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_ids))
         self.bos_ids: tuple[int, ...] = tuple(bos_ids)  # put before raw prompts (never before chat templates)
+        self._added = set(backend.get_added_tokens_decoder())
+        self._byte_level = "ByteLevel" in str(backend.decoder)  # pieces spelled in GPT-2's byte alphabet
+        self._byte_of = {c: b for b, c in byte_alphabet().items()}
+        self._bytes: dict[int, bytes] = {}
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike) -> Tokenizer:
@@ -161,6 +165,26 @@ class Tokenizer:
             enable_thinking=enable_thinking,
             **{**self.special_tokens, **kwargs},
         )
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token contributes to text (logprobs' `bytes`): byte-level BPE pieces through GPT-2's
+        alphabet, SentencePiece byte-fallback pieces `<0xNN>` as that byte, `▁` as a space, added tokens as written."""
+        if (b := self._bytes.get(token_id)) is not None:
+            return b
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            raise ValueError(f"{token_id=} is outside the vocabulary of {self.vocab_size}")
+        if token_id in self._added:
+            b = piece.encode("utf-8")
+        elif self._byte_level:
+            b = bytes(self._byte_of.get(c, 0) for c in piece) if all(c in self._byte_of for c in piece) else \
+                piece.encode("utf-8")
+        elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            b = bytes([int(piece[3:5], 16)])
+        else:
+            b = piece.replace("\u2581", " ").encode("utf-8")
+        self._bytes[token_id] = b
+        return b
 
     def incremental_decoder(self, skip_special_tokens: bool = False) -> IncrementalDecoder:
         return IncrementalDecoder(self, skip_special_tokens)

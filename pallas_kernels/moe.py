@@ -254,13 +254,13 @@ def reference(x: jax.Array, idx: jax.Array, weights: jax.Array, gate: tuple, up:
               bits: int | None = 4, group_size: int = 64) -> jax.Array:
     """Plain XLA, gathering only the chosen experts: each pair (n, s) dequantizes its own expert's weights.
 
-    ``bits=None``: dense experts, ``gate = (weight [E, I, D],)`` etc. Every pair's matmuls are one batch
+    A dense stack is ``(weight [E, out, in],)`` (``bits`` then unused for it). Every pair's matmuls are one batch
     element of a batched dot, so a row's result depends only on its own input and experts (for a fixed N)."""
     n, k = idx.shape
     flat = idx.reshape(-1)
 
     def chosen(ws):  # the pairs' own experts: [P, out, in]
-        if bits is None:
+        if len(ws) == 1:  # a dense stack (a model may quantize only some projections)
             return jnp.take(ws[0], flat, axis=0).astype(x.dtype)
         w, s, b = (jnp.take(a, flat, axis=0) for a in ws)
         return dequantize(w, s, b, bits, group_size, x.dtype)

@@ -332,11 +332,12 @@ def experts(x: jax.Array, idx: jax.Array, weights: jax.Array, gate: tuple, up: t
             bits: int | None, group_size: int = 64) -> jax.Array:
     """Routed SwiGLU experts: x [N, D], idx/weights [N, k] -> sum_s weights[:, s] * expert_idx[:, s](x), [N, D].
 
-    gate/up/down are (weight, scales, biases) stacks [E, out, ...] in the MLX layout, or (weight,) dense
-    (`bits=None`). Only the chosen experts are read: on GPU the grouped Pallas kernel (`pallas_kernels.moe`) for
-    quantized stacks it serves; elsewhere its reference one row a loop iteration (row-invariant)."""
+    gate/up/down are (weight, scales, biases) stacks [E, out, ...] in the MLX layout, or (weight,) dense (`bits`
+    is the quantized stacks' width; None when all are dense). Only the chosen experts are read: on GPU the grouped
+    Pallas kernel (`pallas_kernels.moe`) for quantized stacks it serves; elsewhere its reference one row a loop
+    iteration (row-invariant)."""
     d, i = x.shape[-1], gate[0].shape[1]
-    if _gpu() and bits is not None:
+    if _gpu() and bits is not None and all(len(s) == 3 for s in (gate, up, down)):
         bs = moe.BlockSizes.for_shapes(d, i, group_size)
         if d % bs.block_n == 0 and i % bs.block_n == 0 and d % bs.block_k == 0 and i % bs.block_k == 0:
             return moe.moe(x, idx, weights, gate, up, down, bits=bits, group_size=group_size, block_sizes=bs)

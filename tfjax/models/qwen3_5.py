@@ -169,10 +169,10 @@ class Experts(nnx.Module):
 
     def __call__(self, x: jax.Array, idx: jax.Array, weight: jax.Array) -> jax.Array:
         """x [N, D], idx/weight [N, k] -> sum_k weight * expert_idx(x) [N, D], reading only the chosen experts."""
-        q = dict(self.quants)
-        if len({q[n] for n in ("gate_proj", "up_proj", "down_proj")}) != 1:
-            raise ValueError(f"the experts' projections must share one quantization, got {self.quants}")
-        bits, group = q["gate_proj"] or (None, 64)
+        quantized = {q for _, q in self.quants if q is not None}  # a projection may stay dense (in % group)
+        if len(quantized) > 1:
+            raise ValueError(f"the experts' quantized projections must share one (bits, group), got {self.quants}")
+        bits, group = quantized.pop() if quantized else (None, 64)
         return ops.experts(x, idx, weight, self.stack("gate_proj"), self.stack("up_proj"), self.stack("down_proj"),
                            bits=bits, group_size=group)
 

@@ -1,22 +1,23 @@
 """Does the processors' code cost a round where no lane uses it? SmolLM2, 2 lanes, interleaved (median of 5).
 
 Times `lane_round` with `LaneState.proc` absent (the code is not traced) against present but unused.
-`python scripts/bench_round_processors.py`
+`python scripts/bench_round_processors.py [MODEL]` (a packaged name, folder or hub id; default smollm2)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import statistics
+import sys
 import time
 
 import jax
 
-from tfjax import api, packaged, sampling
+from tfjax import api, sampling
 
 
 def main() -> None:
-    llm = api.load(packaged.ensure_converted("smollm2"), lanes=2, width=6, context=1024, copy_match=3)
+    llm = api.load(sys.argv[1] if len(sys.argv) > 1 else "smollm2", lanes=2, width=6, context=1024, copy_match=3)
     runner = llm.engine.runner
     for lane in range(2):
         runner.prefill(lane, llm.encode(f"Count to {lane + 20}: 1, 2, 3"), sampling.SamplingParams.create(1), True,

@@ -10,7 +10,7 @@ import argparse
 import statistics
 import time
 
-from tfjax import api, packaged
+from tfjax import api
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
                                            "city": {"type": "string", "maxLength": 24},
@@ -23,9 +23,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--plain-only", action="store_true", help="time only the unconstrained reply")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens per reply (default 64)")
+    ap.add_argument("--model", default="smollm2", help="a packaged name, folder or hub id of a SmolLM2 checkpoint")
     ap.add_argument("--lanes", type=int, default=2, help="lanes of the engine (default 2)")
     args = ap.parse_args()
-    llm = api.load(packaged.ensure_converted("smollm2"), lanes=args.lanes, width=6, context=512, copy_match=3)
+    llm = api.load(args.model, lanes=args.lanes, width=6, context=512, copy_match=3)
     cases = {"plain": {}}
     if not args.plain_only:
         fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}

@@ -39,7 +39,7 @@ def timed(llm, prompt, tokens: int, draft: bool, params: dict):
 
 def random_model(path: str, bits: int):
     """(module, config) of the folder's geometry with random weights, MLX `bits`-bit (group 64) unless 0."""
-    config = ModelConfig.from_json(api.resolve(path))
+    config = ModelConfig.from_json(api.resolve(path, weights=False))
     if bits:
         config = config.replace(quantization=QuantConfig(bits=bits, group_size=64))
     graphdef, params = models.random_params(config)

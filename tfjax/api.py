@@ -36,11 +36,11 @@ class Generation:
 SAMPLING_DEFAULTS = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
 
 
-def resolve(name_or_path: str | Path) -> Path:
+def resolve(name_or_path: str | Path, weights: bool = True) -> Path:
     """A checkpoint folder: a path, a packaged model (fetched and converted once) or a Hugging Face hub id."""
     from tfjax import hub
 
-    return hub.resolve(name_or_path)
+    return hub.resolve(name_or_path, weights)
 
 
 def generation_defaults(path: Path) -> dict:
@@ -151,4 +151,4 @@ def load(name_or_path: str | Path, **kw) -> LLM:
     from tfjax import compile_cache
 
     compile_cache.enable()
-    return LLM(resolve(name_or_path), **kw)
+    return LLM(resolve(name_or_path, weights=kw.get("model") is None), **kw)  # `model`: weights already built

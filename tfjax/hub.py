@@ -34,8 +34,9 @@ def offline() -> bool:
     return constants.HF_HUB_OFFLINE or any(_truthy(os.environ.get(k)) for k in names)
 
 
-def check_folder(path: Path) -> Path:
-    """`path` if it looks like a checkpoint folder (config.json that parses, safetensors), else ModelNotFound."""
+def check_folder(path: Path, weights: bool = True) -> Path:
+    """`path` if it looks like a checkpoint folder (config.json that parses, safetensors unless `weights` is False:
+    a geometry timed with random weights), else ModelNotFound."""
     config = path / "config.json"
     if not config.is_file():
         raise ModelNotFound(f"{path} has no config.json, so it is not a checkpoint folder; pass a Hugging Face-style "
@@ -45,8 +46,8 @@ def check_folder(path: Path) -> Path:
         json.loads(config.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
         raise ModelNotFound(f"{config} is not valid JSON ({e}); fix or re-download the checkpoint") from None
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
+    files = sorted(path.glob("*.safetensors")) if weights else []
+    if weights and not files:
         raise ModelNotFound(f"{path} has no .safetensors weights; download the checkpoint's weights into it")
     from safetensors import SafetensorError, safe_open
 
@@ -95,15 +96,16 @@ def download(repo: str, cache_dir: str | os.PathLike | None = None) -> Path:
     return check_folder(Path(path))
 
 
-def resolve(name_or_path: str | os.PathLike) -> Path:
-    """A checkpoint folder for a folder path, a packaged model name, or a hub id (in that order)."""
+def resolve(name_or_path: str | os.PathLike, weights: bool = True) -> Path:
+    """A checkpoint folder for a folder path, a packaged model name, or a hub id (in that order); `weights=False`
+    accepts a folder of config and tokenizer only."""
     from tfjax import packaged
 
     path = Path(name_or_path)
     name = str(name_or_path)
     known = ", ".join(sorted(packaged.MODELS))
     if path.is_dir():
-        return check_folder(path)
+        return check_folder(path, weights)
     if path.is_file():
         hint = " (a GGUF: convert it first with `tfjax convert FILE.gguf OUT`)" if path.suffix == ".gguf" else ""
         raise ModelNotFound(f"{name} is a file, not a checkpoint folder{hint}")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("starlette")
-uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("uvicorn")
 
 QUEUE = 3
 
@@ -23,23 +23,12 @@ QUEUE = 3
 @pytest.fixture(scope="module")
 def served():
     """(base url, Server) for a tiny model with 4 lanes, run by uvicorn in a background thread."""
-    from tests.server_helpers import tiny_llm
+    from tests.server_helpers import serving, tiny_llm
     from tfjax.server import create_app
 
     app = create_app(tiny_llm(), name="tiny", queue=QUEUE, max_tokens=16)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 60
-    while not server.started:
-        assert time.time() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", app.state.server
-    server.should_exit = True
-    thread.join(timeout=30)
+    with serving(app) as url:
+        yield url, app.state.server
 
 
 def post(url: str, path: str, body, timeout: float = 120):

@@ -116,6 +116,7 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "city", "adult"]}
 
 
+@pytest.mark.slow  # SmolLM2 and its 49k-token schema automaton: ~3 min a case on 2 cores; the tiny model's case runs in CI
 @pytest.mark.parametrize("params", [{}, dict(temperature=0.8, top_p=0.95, seed=3)], ids=["greedy", "sampled"])
 def test_a_json_schema_reply_from_smollm2_validates_and_drafted_equals_plain(params):
     from tfjax import api, packaged

@@ -237,5 +237,5 @@ def test_the_reply_usage_reports_cached_prompt_tokens():
     from tfjax.engine import Result
     from tfjax.server.protocol import usage
 
-    u = usage(Result(0, 40, [5, 6, 7], "stop", 2, 0, cached_tokens=32))
+    u = usage([Result(0, 40, [5, 6, 7], "stop", 2, 0, cached_tokens=32)])  # one result a choice
     assert u["prompt_tokens"] == 40 and u["prompt_tokens_details"] == {"cached_tokens": 32}

@@ -100,6 +100,9 @@ def main():
     ap.add_argument("--launches", action="store_true", help="compile a --geometry decode step on this host and list "
                     "what its optimized HLO launches (a GPU gives the GPU's fusions)")
     ap.add_argument("--hlo-out", default=None, help="with --launches: write the optimized HLO here")
+    ap.add_argument("--random-weights", type=int, default=None, metavar="BITS",
+                    help="random MLX BITS-bit weights of the --model folder's geometry (config and tokenizer)")
+    ap.add_argument("--context", type=int, default=2048)
     args = ap.parse_args()
     if args.structure:
         print_structure(args)
@@ -111,7 +114,18 @@ def main():
 
     from tfjax import api
 
-    kw = dict(lanes=1, drafter=args.drafter)
+    kw = dict(lanes=1, drafter=args.drafter, context=args.context)
+    if args.random_weights is not None:
+        from tfjax import models
+        from tfjax.config import ModelConfig, QuantConfig
+
+        config = ModelConfig.from_json(api.resolve(args.model, weights=False))
+        if args.random_weights:
+            config = config.replace(quantization=QuantConfig(bits=args.random_weights, group_size=64))
+        graphdef, params = models.random_params(config)
+        from flax import nnx
+
+        kw["model"] = (nnx.merge(graphdef, params), config)
     llm = api.load(args.model, **(kw | ({"copy_match": args.copy_match} if args.copy_match else {"copies": False})))
     llm.generate(PROMPT, max_tokens=8, ignore_eos=True)  # compile outside the trace
     out = Path(args.out)

@@ -239,7 +239,7 @@ def dispatched(policy, n, k):
     from pallas_kernels import qmatmul_mgpu as mg
 
     if policy.get("packed") and mg.BlockSizes.serves(n, k, GROUP):
-        bs = mg.BlockSizes.for_weight(n, k, **mg.POLICY)
+        bs = mg.BlockSizes.for_weight(n, k)
         return (lambda x, w, s, b: mg.qmatmul_pairs(x, w, s, block_sizes=bs)), bs
     bs = tiled_bs(policy, n, k)
     return (lambda x, w, s, b: qm.qmatmul_tiled(x, w, s, b, bits=BITS, group_size=GROUP, block_sizes=bs)), bs
@@ -884,8 +884,6 @@ def main():
     ap.add_argument("--decode-modes", default="reference,kernel", help="decode: the paths to time")
     ap.add_argument("--pairs-policy", default="", help="decode: keywords replacing the pair layout's dispatch tiles, "
                     "e.g. \"dict(programs=264, sums_outside=False)\" (A/B runs)")
-    ap.add_argument("--mgpu-policy", default="", help="decode: the Mosaic GPU kernel's tile keywords (the "
-                    "dispatch's for packed pairs), e.g. \"dict(pad_rows=True)\"")
     ap.add_argument("--attn-blocks", default="", help="attention's default BlockSizes keywords (decode and the "
                     "attention section), e.g. \"dict(q_blocks=1)\"")
     ap.add_argument("--attn-cands", default="", help="attention: instead of the table, device time of each "
@@ -897,11 +895,6 @@ def main():
     if a.attn_cands:
         ATTN_CANDS.extend(eval(a.attn_cands))  # noqa: S307 (a benchmark's own flag)
     ATTN_SPAN[0] = a.attn_span
-    if a.mgpu_policy:
-        from pallas_kernels import qmatmul_mgpu
-
-        qmatmul_mgpu.POLICY.update(eval(a.mgpu_policy))  # noqa: S307 (a benchmark's own flag)
-        print(f"  mgpu policy {qmatmul_mgpu.POLICY}", flush=True)
     sections = a.sections.split(",")
     if a.attn_blocks:
         from pallas_kernels import attention

@@ -436,34 +436,36 @@ def attention_candidates(cands, h, g, e, bw):
 
 # --- Gated DeltaNet recurrence (rounds) ---
 def delta_section():
-    """The Pallas recurrence against XLA's step at the dense27 DeltaNet shape, one layer's state per set."""
+    """The Pallas recurrence fed by the conv output (`recurrent_qkv`, what lane rounds run) against XLA's split, norms
+    and step at the dense27 DeltaNet shape (16 key heads, 48 value heads of 128), one layer's state per set."""
     import jax
     import jax.numpy as jnp
 
     from pallas_kernels import gated_delta as gdk
 
     bw = RESULTS["copy_GBps"] * 1e9
-    hv, d = 48, 128
+    hk, hv, d = 16, 48, 128
+    kernel = lambda *a, bs=None: gdk.recurrent_qkv(*a, key_heads=hk, out_dtype=jnp.bfloat16, block_sizes=bs)
+    ref = lambda *a: gdk.qkv_reference(*a, key_heads=hk, out_dtype=jnp.bfloat16)
     for lanes, t in ((1, 1), (1, 8), (4, 8)):
         state_bytes = lanes * hv * d * d * 4
-        keys = jax.random.split(jax.random.key(lanes * 10 + t), 6)
+        keys = jax.random.split(jax.random.key(lanes * 10 + t), 4)
         sets = []
         for i in range(max(2, min(48, math.ceil(512e6 / state_bytes)))):
             st = jax.random.normal(jax.random.fold_in(keys[0], i), (lanes, hv, d, d), jnp.float32)
-            q, k, v = (jax.random.normal(kk, (lanes, t, hv, d), jnp.bfloat16) * (d**-0.5 if j < 2 else 1)
-                       for j, kk in enumerate(keys[1:4]))
-            g = -jnp.abs(jax.random.normal(keys[4], (lanes, t, hv))) * 0.5
-            beta = jax.nn.sigmoid(jax.random.normal(keys[5], (lanes, t, hv)))
-            sets.append((st, q, k, v, g, beta, jnp.full((lanes,), t, jnp.int32)))
+            qkv = jax.random.normal(keys[1], (lanes, t, (2 * hk + hv) * d), jnp.bfloat16)
+            g = -jnp.abs(jax.random.normal(keys[2], (lanes, t, hv))) * 0.5
+            beta = jax.nn.sigmoid(jax.random.normal(keys[3], (lanes, t, hv)))
+            sets.append((st, qkv, g, beta, jnp.full((lanes,), t, jnp.int32)))
         if (lanes, t) == (1, 8):  # a small sweep of the free block sizes first
             for bs in (gdk.BlockSizes(16, 4), gdk.BlockSizes(32, 4), gdk.BlockSizes(64, 4), gdk.BlockSizes(64, 8),
                        gdk.BlockSizes(128, 8)):
-                ts = per_call(lambda *a, bs=bs: gdk.recurrent(*a, block_sizes=bs), sets)
+                ts = per_call(lambda *a, bs=bs: kernel(*a, bs=bs), sets)
                 print(f"  delta sweep {bs}: {ts * 1e6:.1f} us", flush=True)
-        err = max(rel_err(a, b) for a, b in zip(gdk.recurrent(*sets[0]), gdk.reference(*sets[0]), strict=True))
-        tk = per_call(gdk.recurrent, sets)
-        tr = per_call(gdk.recurrent_reference, sets)
-        moved = 2 * state_bytes + sum(a.nbytes for a in sets[0][1:6])
+        err = max(rel_err(a, b) for a, b in zip(kernel(*sets[0]), ref(*sets[0]), strict=True))
+        tk = per_call(kernel, sets)
+        tr = per_call(ref, sets)
+        moved = 2 * state_bytes + sum(a.nbytes for a in sets[0][1:4]) + lanes * t * hv * d * 2
         RESULTS.setdefault("delta", []).append(dict(lanes=lanes, t=t, us=tk * 1e6, xla_us=tr * 1e6, err=err))
         row("delta", f"{lanes} lane(s) x {t} rows, 48 heads 128x128 (XLA {tr * 1e6:.0f} us; err {err:.0e})", tk,
             moved / tk / 1e9, bw / 1e9, "GB/s")

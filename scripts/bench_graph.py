@@ -363,7 +363,7 @@ def attention_section(sweep: bool | str):
         attention_candidates(ATTN_CANDS, h, g, e, bw)
         return
     from pallas_kernels import attention_mgpu as am
-    from tfjax.ops import MOSAIC_ATTENTION_BLOCKS, mosaic_attention_serves
+    from tfjax.ops import mosaic_attention_serves
 
     # the table times what the engine serves: the Mosaic kernel where the dispatch takes it, unless a sweep chose
     mosaic = not sweep and mosaic_attention_serves(e, 16, jnp.bfloat16, jnp.bfloat16)
@@ -374,7 +374,7 @@ def attention_section(sweep: bool | str):
         sets = kv_sets(ctx, max(2, min(16, math.ceil(512e6 / kvb))))
         for t in (1, 8):
             q, pos = verify_rows(ctx, t, h, e, seed=t)
-            f = (functools.partial(am.paged_attention, block_sizes=MOSAIC_ATTENTION_BLOCKS) if mosaic else
+            f = (am.paged_attention if mosaic else
                  functools.partial(pa.paged_attention, block_sizes=best))
             err = rel_err(f(q, *sets[0], pos), pa.reference(q, *sets[0], pos))
             args = [(q, *s, pos) for s in sets]

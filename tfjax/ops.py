@@ -224,10 +224,6 @@ def mosaic_attention_serves(head_dim: int, page: int, q_dtype, kv_dtype) -> bool
     return q_dtype == kv_dtype and mgpu_attn.supports(head_dim, page, q_dtype)
 
 
-MOSAIC_ATTENTION_BLOCKS = mgpu_attn.BlockSizes(interleave=True)  # chunks dealt round-robin: a short context in a
-# wide page table runs on every SM (2k keys in a 64k span 15.9 against 65.7 us, H100)
-
-
 def paged_attention(q: jax.Array, pages: KVPages, page_table: jax.Array, positions: jax.Array,
                     rows: bool = False) -> jax.Array:
     """Attention of q rows over a lane's pages.
@@ -242,8 +238,7 @@ def paged_attention(q: jax.Array, pages: KVPages, page_table: jax.Array, positio
             k, v = gather_pages(pages, page_table)
             return fa.flash_attention(q, k, v, positions)
         if mosaic_attention_serves(e, pages.k.shape[1], q.dtype, pages.k.dtype):
-            return mgpu_attn.paged_attention(q, pages.k, pages.v, page_table, positions,
-                                             block_sizes=MOSAIC_ATTENTION_BLOCKS)
+            return mgpu_attn.paged_attention(q, pages.k, pages.v, page_table, positions)
         if pk.supports(e):
             return pk.paged_attention(q, pages.k, pages.v, page_table, positions)
     k, v = gather_pages(pages, page_table)

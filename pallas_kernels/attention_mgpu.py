@@ -9,21 +9,22 @@ docs/benchmarks.md, ninth run). This one reads them at the copy rate at 64k, 1.6
 and 1.4x at 2k with its combine kernel (H100, eleventh and twelfth runs); the dispatch takes it wherever
 `supports()` holds.
 
-Grid: (query block, key chunk, KV head, lane). A program takes one block of 64 query rows (row, head) of one
-(lane, KV head), the MMA's M, and one chunk of keys at an absolute offset; the chunk's page ids and the block's
+Grid: (query block, program, KV head, lane). A program takes one block of 64 query rows (row, head) of one
+(lane, KV head), the MMA's M, and its chunks of keys at absolute offsets; its page ids and the block's
 positions come by TMA first, then K and V tiles of `block_k` keys, one TMA copy a page. Per tile: S = Q K^T (the
 MMA, Q and K from shared memory), whose slot then takes the K of `stages` tiles on, the online softmax in float32
 registers, then acc = acc * alpha + P V (P from registers), whose slot then takes the next V. The tile holding the
 lane's last position has its V rows past it zeroed in shared memory first, so what unwritten or unallocated pages
 hold (NaN included) never reaches a row through 0 * NaN.
 
-Interleaved chunks (`BlockSizes.interleave`): chunks of a fixed `chunk_k` keys (a tile by default) dealt out
-round-robin, program c of P (a KV head's share of `chunk_programs`, a power of two) taking chunks c, c + P, ... up
-to the lane's last position into one softmax state, one pipeline, one partial. Chunk boundaries no longer follow the
-span, so a short context in a wide page table (an engine's `LaneConfig.context` sets every lane's span) still runs
-on every SM; the span policy gave 2k keys in a 64k span one program a KV head (66 us against 15 at its own span,
-H100, thirteenth run). Each program's page ids are laid out contiguously first (`program_pages`), so it holds only
-its own: 512 at a 262k span.
+Interleaved chunks: chunks of a fixed `chunk_k` keys (a tile by default) dealt out round-robin, program c of P (a KV
+head's share of `chunk_programs`, a power of two) taking chunks c, c + P, ... up to the lane's last position into one
+softmax state, one pipeline, one partial. Chunk boundaries do not follow the span, so a short context in a wide page
+table (an engine's `LaneConfig.context` sets every lane's span) still runs on every SM. The span policy it replaced
+(a chunk a program, sized from the span) gave 2k keys in a 64k span one program a KV head: 65.7 us against 15.9
+interleaved, and a dense27 decode step 9.00 against 8.13-8.21 ms (H100, docs/benchmarks.md thirteenth run); at a
+span the context fills the two were within 0-4% of the attention call. It was deleted in issue 27. Each program's
+page ids are laid out contiguously first (`program_pages`), so it holds only its own: 512 at a 262k span.
 
 Row invariance: chunk and tile boundaries are fixed by absolute key position (and which program takes a chunk by
 static P), a row's scores and softmax state use only its own q and the keys (an MMA row is its own), and a tile past
@@ -62,29 +63,13 @@ SWIZZLED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # bf16
 class BlockSizes:
     block_k: int = 64  # keys a tile: a multiple of the page size and of 64 (the V tail's mask is a 64-row layout)
     stages: int = 2  # key tiles in flight (K and V of 64 keys at head dim 256: 64 KB a stage)
-    # chunk policy as the Triton kernel's: the fewest keys a chunk keeping chunks x KV heads <= this many programs
-    # (one program an SM at head dim 256: 132 beat 264 by 6-16% at 16k-64k on the H100, eleventh run); interleaved,
-    # the programs over the KV heads (264 and 66 lost to 132 too, thirteenth run)
+    # programs over the KV heads, a KV head's share rounded down to a power of two (one program an SM at head dim 256:
+    # 264 and 66 lost to 132, H100, eleventh and thirteenth runs)
     chunk_programs: int = 132
-    chunk_k: int = 0  # keys a chunk fixed whatever the span (a multiple of block_k) instead of the policy; 0: policy
-    # fixed chunks (chunk_k keys, block_k when 0) dealt round-robin to programs (a KV head's share of chunk_programs
-    # rounded down to a power of two), each program's chunks one softmax state: a short context in a wide span keeps
-    # every SM busy (on in the dispatch, `tfjax.ops.MOSAIC_ATTENTION_BLOCKS`; off here, the span policy)
-    interleave: bool = False
-
-    def chunk_for(self, span: int, kv_heads: int) -> int:
-        """Keys per program for a lane span of `span` keys (from the span and the KV heads, never the rows)."""
-        if self.chunk_k or self.interleave:
-            return self.chunk_k or self.block_k
-        return triton_attention.chunk_keys(span, kv_heads, self.block_k, self.chunk_programs)
+    chunk_k: int = 0  # keys a chunk (a multiple of block_k); 0: block_k (128 measured within 1% of 64, thirteenth run)
 
 
 DEFAULT = BlockSizes()
-
-
-def page_window(chunk_k: int, page: int) -> int:
-    """Page ids a program reads: its chunk's, at least PT_WINDOW."""
-    return max(chunk_k // page, PT_WINDOW)
 
 
 def _kernel(q_gmem, pos_gmem, last_gmem, pt_gmem, k_gmem, v_gmem, o_gmem, m_gmem, l_gmem, *, page, chunk_k, chunks,
@@ -140,8 +125,7 @@ def _kernel(q_gmem, pos_gmem, last_gmem, pt_gmem, k_gmem, v_gmem, o_gmem, m_gmem
         def tiles_of(chunk):  # tiles of a chunk any row of the lane can see
             return jnp.clip((last - chunk * chunk_k) // bk + 1, 0, tpc)
 
-        # chunks c, c + P, ... up to the lane's last position, all but the lane's last whole (the span policy: P is
-        # the chunk count, so chunk c alone)
+        # chunks c, c + P, ... up to the lane's last position, all but the lane's last whole
         live = jnp.minimum((last + chunk_k) // chunk_k, chunks)
         mine = (live - c + programs - 1) // programs  # >= 0: c < programs
         before = jnp.maximum(mine, 1) - 1  # whole chunks before the last (none: tiles_of(c) is 0 then)
@@ -264,12 +248,8 @@ class Plan:
 
 def plan(width: int, page: int, kv_heads: int, bs: BlockSizes) -> Plan:
     """The split of a span of `width` pages (from the span, the KV heads and `bs`, never the rows)."""
-    chunk_k = bs.chunk_for(width * page, kv_heads)
+    chunk_k = bs.chunk_k or bs.block_k
     chunks = pl.cdiv(width * page, chunk_k)
-    if not bs.interleave:  # program c: chunk c, its window of ids (every window in range, rows of 16 bytes for TMA)
-        ids = page_window(chunk_k, page)
-        need = (chunks - 1) * (chunk_k // page) + ids
-        return Plan(chunk_k, chunks, chunks, ids, chunk_k // page, -(-need // 4) * 4)
     per_head = max(1, bs.chunk_programs // kv_heads)  # a power of two: 32, not 33, kept the combine's chunk axis
     programs = min(chunks, 1 << (per_head.bit_length() - 1))  # unpadded (16k: 2.9 us against 3.5, H100)
     ids = -(-pl.cdiv(chunks, programs) * (chunk_k // page) // PT_WINDOW) * PT_WINDOW  # whole warpgroup loads
@@ -277,7 +257,7 @@ def plan(width: int, page: int, kv_heads: int, bs: BlockSizes) -> Plan:
 
 
 def program_pages(page_table: jax.Array, page: int, p: Plan) -> jax.Array:
-    """An interleaved plan's page table: each program's page ids in the order its tiles take them, `p.ids` apiece."""
+    """The plan's page table: each program's page ids in the order its tiles take them, `p.ids` apiece."""
     b, w = page_table.shape
     per = pl.cdiv(p.chunks, p.programs) * (p.chunk_k // page)  # a program's ids before padding
     t = jnp.pad(page_table, ((0, 0), (0, per * p.programs - w)))
@@ -332,7 +312,7 @@ def paged_attention(
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
 def paged_partials(q, k_pages, v_pages, page_table, positions, *, block_sizes: BlockSizes | None = None,
                    interpret: bool = False):
-    """The kernel alone: each program's partials (its chunk, or interleaved its chunks c, c + P, ...) for the query
+    """The kernel alone: each program's partials (its chunks c, c + P, ...) for the query
     rows (row = t * R + head of a KV head), o [B, G, C, rows', E] f32 unnormalised, m and l [B, G, C, rows'] f32,
     rows' >= the real rows (past them: no meaning)."""
     o, m, l, _, _, parts = _partials(q, k_pages, v_pages, page_table, positions, block_sizes or DEFAULT, interpret)
@@ -355,7 +335,7 @@ def _partials(q, k_pages, v_pages, page_table, positions, bs: BlockSizes, interp
     last = jnp.pad(jnp.max(pos, axis=1, keepdims=True), ((0, 0), (0, PT_WINDOW - 1)))
     p = plan(page_table.shape[1], page, g, bs)
     pt = page_table.astype(jnp.int32)  # unallocated (P) is clipped to a real page in the kernel, then masked
-    pt = program_pages(pt, page, p) if bs.interleave else jnp.pad(pt, ((0, 0), (0, p.width - pt.shape[1])))
+    pt = program_pages(pt, page, p)
     kernel = functools.partial(_kernel, page=page, chunk_k=p.chunk_k, chunks=p.chunks, programs=p.programs, ids=p.ids,
                                stride=p.stride, scale=e**-0.5, bs=bs, interpret=interpret)
     qb = rows_pad // BLOCK_Q

@@ -2,14 +2,14 @@
 
 Each row's output is silu(sum_j taps[j, c] * w[c, j]) per channel c, from its own K inputs (the row and the
 K-1 before it). On the reference path a lane round computes it in fixed row tiles inside a loop (so fusion
-never sees M); on the GPU that loop is several launches per DeltaNet layer. Here a program computes one
-row's block of channels with the same code whatever M is: row-invariant by construction, one launch. Channels
-are read in power-of-two pieces of at most 2048 (Triton blocks are powers of two; 10240 = 5 x 2048).
-`conv_silu_window` is the lane-round form: it reads the conv tail and the new rows where they lie (no stacked
-taps), takes the weight as the model holds it, and writes the lane's next tail: one launch where the decode
-step had five (the tail's copy and gather, the taps' stack, the weight's transpose, the conv). Served lane rounds
-take `conv_silu_window` (it won); `conv_silu` serves callers holding stacked taps (`ops.conv_silu`) and is a
-candidate for deletion.
+never sees M). Here a program computes one row's block of channels with the same code whatever the other rows
+hold: row-invariant by construction, one launch. Channels are read in power-of-two pieces of at most 2048 (Triton
+blocks are powers of two; 10240 = 5 x 2048). `conv_silu_window` reads the conv tail and the new rows where they lie
+(no stacked taps), takes the weight as the model holds it, and writes the lane's next tail: one launch where the
+decode step had five (the tail's copy and gather, the taps' stack, the weight's transpose, the conv). The
+stacked-taps kernel it replaced lost with the rest of the unfused DeltaNet rows (H200, dense27 decode 9.66 against
+9.22 ms a step pipelined, docs/benchmarks.md sixth run) and was deleted in issue 27; `reference` keeps its
+arithmetic for the CPU path.
 """
 
 from __future__ import annotations
@@ -40,43 +40,12 @@ class BlockSizes:
 
 
 def _silu_conv(tap, weight, k: int) -> jax.Array:
-    """silu(sum_j tap(j) * weight(j)) in f32, the taps summed oldest first (both kernels' arithmetic)."""
+    """silu(sum_j tap(j) * weight(j)) in f32, the taps summed oldest first (`reference`'s arithmetic)."""
     acc = None
     for j in range(k):
         term = tap(j).astype(jnp.float32) * weight(j)
         acc = term if acc is None else acc + term
     return acc * jax.nn.sigmoid(acc)
-
-
-def _conv_kernel(x_ref, w_ref, o_ref, *, k: int, c: int, block: int):
-    # x_ref [K * C] (tap j of channel c at j * C + c); w_ref [K, C] f32; o_ref [C]; this program: `block` channels
-    base = pl.program_id(1) * block
-    for piece_off, size in pieces(block, PIECE):
-        off = base + piece_off
-        y = _silu_conv(lambda j, off=off, size=size: x_ref[pl.ds(j * c + off, size)],
-                       lambda j, off=off, size=size: w_ref[j, pl.ds(off, size)], k)
-        o_ref[pl.ds(off, size)] = y.astype(o_ref.dtype)
-
-
-@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
-def conv_silu(taps: jax.Array, weight: jax.Array, *, block_sizes: BlockSizes = BlockSizes(),
-              interpret: bool = False) -> jax.Array:
-    """taps [M, K, C] (row r's K inputs, oldest first), weight [C, K] -> silu(conv) [M, C] in taps' dtype."""
-    if taps.ndim != 3 or weight.shape != (taps.shape[2], taps.shape[1]):
-        raise ValueError(f"want taps [M, K, C] and weight [C, K], got {taps.shape=} {weight.shape=}")
-    m, k, c = taps.shape
-    programs, block = block_sizes.split(c)
-    row = pl.BlockSpec((None, k * c), lambda i, b: (i, 0))
-    return pl.pallas_call(
-        functools.partial(_conv_kernel, k=k, c=c, block=block),
-        grid=(m, programs),
-        in_specs=[row, pl.BlockSpec((k, c), lambda i, b: (0, 0))],
-        out_specs=pl.BlockSpec((None, c), lambda i, b: (i, 0)),
-        out_shape=jax.ShapeDtypeStruct((m, c), taps.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=block_sizes.num_warps, num_stages=1),
-        interpret=interpret,
-        name="causal_conv_silu",
-    )(taps.reshape(m, k * c), weight.T.astype(jnp.float32))
 
 
 def reference(taps: jax.Array, weight: jax.Array) -> jax.Array:

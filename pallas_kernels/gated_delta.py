@@ -10,9 +10,11 @@ state is read and written once per call, where XLA's step reads it about four ti
 twice. Row invariance: rows run one after another through the same loop body, so a row's result never
 depends on how many rows share the call; the loop runs `count` trips (rows past it are zeros).
 
-`recurrent_qkv` is the lane-round form: it reads q, k and v where the conv wrote them (one [B, T, C] array),
-L2-normalises q and k in the kernel and maps each value head to its key head, and writes the output in the
-model's dtype: one launch where the decode step had eight (the split, two norms, two repeats, the cast).
+`recurrent_qkv` reads q, k and v where the conv wrote them (one [B, T, C] array), L2-normalises q and k in the
+kernel and maps each value head to its key head, and writes the output in the model's dtype: one launch where the
+decode step had eight (the split, two norms, two repeats, the cast). The kernel over split q, k, v it replaced lost
+with the rest of the unfused DeltaNet rows (H200, dense27 decode 9.66 against 9.22 ms a step pipelined,
+docs/benchmarks.md sixth run) and was deleted in issue 27; `recurrent_reference` is the CPU path's recurrence.
 """
 
 from __future__ import annotations
@@ -65,15 +67,9 @@ def _rows(count_ref, s_ref, s_out, o_ref, rows, inputs):
     lax.fori_loop(count, rows, zero, 0)
 
 
-def _recurrent_kernel(count_ref, s_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s_out, o_ref, *, rows):
-    # count_ref [1] i32; s_ref [Dk, bv] f32; q_ref, k_ref [T, Dk]; v_ref [T, bv]; g_ref, b_ref [T]
-    f32 = lambda a: a.astype(jnp.float32)
-    _rows(count_ref, s_ref, s_out, o_ref, rows,
-          lambda i: (f32(q_ref[i, :]), f32(k_ref[i, :]), f32(v_ref[i, :]), f32(g_ref[i]), f32(b_ref[i])))
-
-
 def _qkv_kernel(count_ref, s_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s_out, o_ref, *, rows, scale, eps):
-    # as `_recurrent_kernel`, with q_ref, k_ref [T, Dk] the key head's raw conv outputs, normalised here
+    # count_ref [1] i32; s_ref [Dk, bv] f32; q_ref, k_ref [T, Dk] the key head's raw conv outputs, normalised here;
+    # v_ref [T, bv]; g_ref, b_ref [T]
     f32 = lambda a: a.astype(jnp.float32)
 
     def unit(x):  # the model's L2 norm (`row_norm` kind "l2"): x / sqrt(sum(x^2) + eps), in f32
@@ -107,7 +103,8 @@ def _call(kernel, rows_in, state, rows: int, bv: int, out_dtype, bs: BlockSizes,
 def recurrent_qkv(state: jax.Array, qkv: jax.Array, g: jax.Array, beta: jax.Array, count: jax.Array | None = None,
                   *, key_heads: int, eps: float = 1e-6, out_dtype=jnp.float32, block_sizes: BlockSizes | None = None,
                   interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """`recurrent` fed by the conv's output qkv [B, T, C] (C = 2 * key_heads * Dk + Hv * Dv: q, k, then v).
+    """The recurrence fed by the conv's output qkv [B, T, C] (C = 2 * key_heads * Dk + Hv * Dv: q, k, then v); with
+    `count`, each lane's first count rows update its state (rows past it: zeros).
 
     q and k are L2-normalised per key head (q also scaled by Dk^-1/2); value head h reads key head
     h // (Hv / key_heads). Returns (new state, out [B, T, Hv, Dv] in `out_dtype`)."""
@@ -147,7 +144,7 @@ def qkv_reference(state, qkv, g, beta, count=None, *, key_heads: int, eps: float
 
 
 def check_rows(state, q, k, v, g, beta, count=None):
-    """Raise naming the value whose shape does not fit state [B, Hv, Dk, Dv] (also the chunked kernel's check)."""
+    """Raise naming the value whose shape does not fit state [B, Hv, Dk, Dv] (the chunked kernel's check)."""
     if state.ndim != 4 or q.ndim != 4:
         raise ValueError(f"want state [B, Hv, Dk, Dv] and q [B, T, Hv, Dk], got {state.shape=} {q.shape=}")
     b, hv, dk, dv = state.shape
@@ -165,34 +162,6 @@ def check_rows(state, q, k, v, g, beta, count=None):
 def _check_blocks(bs: BlockSizes):
     if bs.block_v < 16 or bs.block_v & (bs.block_v - 1):
         raise ValueError(f"block_v={bs.block_v} must be a power of 2 >= 16")
-
-
-@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
-def recurrent(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
-              count: jax.Array | None = None, *, block_sizes: BlockSizes | None = None,
-              interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """(new state [B, Hv, Dk, Dv] f32, out [B, T, Hv, Dv] f32); with `count`, each lane's first count rows.
-
-    Served lane rounds take `recurrent_qkv` (the fused form won); this form serves callers holding split q, k, v
-    (`ops.recurrent`; the chunked kernel shares its checks) and is a candidate for deletion."""
-    check_rows(state, q, k, v, g, beta, count)
-    bs = block_sizes or BlockSizes()
-    _check_blocks(bs)
-    b, hv, dk, dv = state.shape
-    t = q.shape[1]
-    rows = max(1, 1 << (t - 1).bit_length())  # a power of two; padded rows sit past every count
-    bv = min(bs.block_v, dv)
-    n = jnp.full((b,), t, jnp.int32) if count is None else jnp.minimum(count.astype(jnp.int32), t)
-    if rows != t:
-        q, k, v = (jnp.pad(a, ((0, 0), (0, rows - t), (0, 0), (0, 0))) for a in (q, k, v))
-        g, beta = (jnp.pad(a, ((0, 0), (0, rows - t), (0, 0))) for a in (g, beta))
-    rows_in = [pl.BlockSpec((None, rows, None, dk), lambda h, j, n: (n, 0, h, 0)),
-               pl.BlockSpec((None, rows, None, dk), lambda h, j, n: (n, 0, h, 0)),
-               pl.BlockSpec((None, rows, None, bv), lambda h, j, n: (n, 0, h, j))]
-    new_state, out = _call(functools.partial(_recurrent_kernel, rows=rows), rows_in, state, rows, bv, jnp.float32,
-                           bs, interpret, "gated_delta_recurrent")(n[:, None], state.astype(jnp.float32), q, k, v, g,
-                                                                    beta)
-    return new_state, out[:, :t]
 
 
 def reference(state, q, k, v, g, beta, count=None) -> tuple[jax.Array, jax.Array]:

@@ -9,28 +9,26 @@
   weight is dequantized before the MMA (``q * s + b`` in bf16, one rounding, as MLX's own dequantize) and all
   MMAs of the K range chain into one accumulator, waited once a tile; no group sums of x are needed.
 Layout: the pair layout's words: word ``c`` of a tile row holds, at bits ``4f`` and ``16 + 4f``, inputs ``2c`` and
-``2c + 1`` of the tile's group ``f``. Unpack "words" (default) reads a row's 32 words into registers in
-`WORDS_LAYOUT` (lane l's register j: word 4j + l, the pair the bf16 operand keeps in its register j), so a group's
-operand is ``((w >> 4f) & 0x000F000F) | 0x43004300``, two bf16 ``128 + q`` a word in place; minus 128 (exact),
-times the scale, plus the bias. Unpack "halves" (the older path) reads uint16 ``[N, K/4]`` in the operand's layout
-and does the same per 16-bit half: LLVM splits 16-bit shifts, so the H200 spent 13.6M instructions on the down
-projection against 11.2M with words (ALU pipe 65.9% -> 55.2%; 23.0 -> 18.9 us; docs/benchmarks.md, 2026-12-04).
+``2c + 1`` of the tile's group ``f``. A row's 32 words are read into registers in `WORDS_LAYOUT` (lane l's register
+j: word 4j + l, the pair the bf16 operand keeps in its register j), so a group's operand is
+``((w >> 4f) & 0x000F000F) | 0x43004300``, two bf16 ``128 + q`` a word in place; minus 128 (exact), times the scale,
+plus the bias. (A 16-bit unpack per weight lost: 13.6M against 11.2M instructions on the down projection, H200
+dense27 decode 8.51 against 7.31-7.34 ms a step, docs/kernels_qmatmul.md run 7; deleted in issue 27.)
 Grid: (column block, row block, K split); 64 outputs (the MMA's M) by M rows of x rounded up to 8, at most 64
-(the MMA's N), a program: one weight read serves up to 64 rows. The
-dequantized group goes to the MMA from registers (operand "regs", the default), x from shared memory in
-K-major 128-byte rows (x itself, transposed by the MMA); operand "smem" stores each group to shared memory
-first (with x transposed, 16 rows). H200, 17408x5120, M=1 (docs/benchmarks.md): 23.3 us (regs) against
-30.8 (smem) and 31.6 (the Triton pair kernel); the pipeline's loads alone take 14.6 us (3.4 TB/s).
+(the MMA's N), a program: one weight read serves up to 64 rows. The dequantized group goes to the MMA from
+registers, x from shared memory in K-major 128-byte rows (x itself, transposed by the MMA); rows of x past M are
+TMA's zero fill (past 8 rows the wrapper pads to whole 8-row tiles). H200, 17408x5120, M=1: 23.3 us against 30.8
+through shared memory and 31.6 for the Triton pair kernel (docs/kernels_qmatmul.md, run 6; the shared-memory
+operand was deleted in issue 27).
 Row invariance: the tile order, the split and the MMA shape come from the weight's shape; a row's products
 are its own column of every MMA; split partials are summed outside in a fixed order, elementwise.
-Out (default "rows"): the partials ``[split, M, N]`` f32, real rows only: the accumulator goes to shared memory
-transposed and TMA drops a block's rows past M; "cols" wrote ``[split, N, Mp]``, 8 columns for one row (H200, dense27
-decode 7.28 -> 6.94-7.05 ms a step; docs/benchmarks.md, 2026-12-04 eighth run). `qmatmul_parts` hands them to a
-consumer that sums them (`ops.add_norm`).
+Out: the partials ``[split, M, N]`` f32, real rows only: the accumulator goes to shared memory transposed and TMA
+drops a block's rows past M (writing ``[split, N, Mp]``, 8 columns for one row, lost: H200 dense27 decode 7.28
+against 6.94-7.05 ms a step, run 8). `qmatmul_parts` hands them to a consumer that sums them (`ops.add_norm`).
 GPU interpret mode (CPU tests) runs the same body except two register loads, which there are plain reads
 (the interpreter has no layout-annotated load), the words' reinterpretation (a bitcast and reshape there), and the
 register-operand MMA, which it computes with a dot into the output tile; `lowered_for_gpu` checks the Mosaic GPU
-lowering (the real MMA) on any host; the GPU tests check words against halves bit for bit.
+lowering (the real MMA) on any host; the GPU tests check the kernel against the reference and rows alone.
 """
 
 from __future__ import annotations
@@ -49,7 +47,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import quant
 from pallas_kernels.qmatmul import bf16_half
 
-POLICY: dict = {}  # BlockSizes.for_weight keywords for the default tiles (benchmarks A/B them, bench_graph.py)
 MAX_BLOCK_M = 64  # rows of x a program at most (one weight read serves them)
 GROUP = 64  # inputs per group: a tile is 4 groups, 64 uint16 a row (128 bytes: one 128-byte swizzle)
 TILE = 4 * GROUP
@@ -69,11 +66,6 @@ class BlockSizes:
     block_m: int = 0  # rows of x a program (the MMA's N); 0: M rounded up to 8, at most `MAX_BLOCK_M`
     split_k: int = 1
     stages: int = 2  # tiles in flight in the TMA pipeline
-    pad_rows: bool = False  # x padded to block_m rows by XLA (one more launch), or (regs) by TMA's zero fill: XLA
-    # pads only past 8 rows, to a multiple of 8 (TMA's 8-row tiles); dense27 decode, H200: 161 launches a step fewer
-    operand: str = "regs"  # the dequantized weights reach the MMA from registers ("smem": through shared memory)
-    unpack: str = "words"  # 32-bit shift and AND-OR per two weights ("halves": 16-bit ops per weight, the older path)
-    out: str = "rows"  # partials [split, M, N], real rows only (TMA drops a block's rows past M); "cols": [split, N, Mp]
 
     @classmethod
     def for_weight(cls, n: int, k: int, programs: int = 2176, max_split: int = 17, **kw) -> BlockSizes:
@@ -94,20 +86,12 @@ class BlockSizes:
         return group_size == GROUP and n % 64 == 0 and k % TILE == 0
 
 
-def _kernel(xt_gmem, w_gmem, sb_gmem, o_gmem, o_smem, *a_smem, bs: BlockSizes, tiles: int, interpret: bool):
-    # xt_gmem [K, Mp] bf16 (x transposed, rows padded; [Mp, K] with operand "regs"); w_gmem [N, K/8] uint32
-    # (unpack "words") or [N, K/4] uint16;
-    # sb_gmem [K/64, N] uint32; o_gmem [split, M, N] f32 (out "rows"; "cols": [split, N, Mp]); o_smem [block_m,
-    # block_n] f32, the accumulator transposed ("cols": [block_n, block_m]); operand "smem":
-    # a_smem [2, block_n, 64] bf16, dequantized groups, two slots so one group's dequantization overlaps the
-    # previous group's MMA
+def _kernel(x_gmem, w_gmem, sb_gmem, o_gmem, o_smem, *, bs: BlockSizes, tiles: int, interpret: bool):
+    # x_gmem [Mp, K] bf16 (rows padded to whole 8-row tiles past 8); w_gmem [N, K/8] uint32; sb_gmem [K/64, N] uint32;
+    # o_gmem [split, M, N] f32; o_smem [block_m, block_n] f32, the accumulator transposed
     j, i, s = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("k")
     bn, bm = bs.block_n, bs.block_m
     first = s * tiles
-    emulated = interpret and bs.operand == "regs"  # the interpreter computes the register-operand MMA with a dot
-    words = bs.unpack == "words"
-    by_rows = bs.out == "rows"
-    w_cols = WORDS if words else GROUP  # a tile row of weights: 128 bytes either way (one 128-byte swizzle)
 
     def read(ref, layout):  # registers in the MMA operand's layout (a plain read in interpret mode)
         return ref[...] if interpret else plgpu.load(ref, (), layout=layout)
@@ -115,69 +99,52 @@ def _kernel(xt_gmem, w_gmem, sb_gmem, o_gmem, o_smem, *a_smem, bs: BlockSizes, t
     def rows(v):  # [bn] -> [bn, GROUP], one value a row
         return lax.broadcast_in_dim(v, (bn, GROUP), (0,))
 
-    def body(_, xt_smem, w_smem, sb_smem, acc):
-        v = read(w_smem, WORDS_LAYOUT if words else plgpu.Layout.WGMMA)  # uint32 [bn, 32] or uint16 [bn, 64]
+    def body(_, x_smem, w_smem, sb_smem, acc):
+        v = read(w_smem, WORDS_LAYOUT)  # uint32 [bn, 32]
         for f in range(4):
-            # slot f % 2 last fed group f - 2's MMA: let it finish (group f - 1's may still run); with the register
-            # operand, waiting only at the tile's end measured the same on the H200
+            # let group f - 2's MMA finish (group f - 1's may still run); waiting only at the tile's end measured the
+            # same on the H200
             if f >= 2:
                 plgpu.wgmma_wait(1)
             sb = read(sb_smem.at[f], plgpu.Layout.WGMMA.reduce(1))  # uint32 [bn]: scale low, bias high
             scale, bias = bf16_half(sb, 0), bf16_half(sb, 16)
-            if words:  # two bf16 halves 128 + q of a word per shift and AND-OR, exact
-                q = _pairs_as_bf16((v >> jnp.uint32(4 * f) if f else v) & jnp.uint32(0x000F000F)
-                                   | jnp.uint32(0x43004300), interpret)
-            else:
-                q = ((v >> jnp.uint16(4 * f)) & jnp.uint16(0xF)) | jnp.uint16(0x4300)
-                q = lax.bitcast_convert_type(q, jnp.bfloat16)  # 128 + q, exact
+            # two bf16 halves 128 + q of a word per shift and AND-OR, exact
+            q = _pairs_as_bf16((v >> jnp.uint32(4 * f) if f else v) & jnp.uint32(0x000F000F) | jnp.uint32(0x43004300),
+                               interpret)
             # q exactly, then one product and one sum in bf16 (folding -128 s into b loses q * s to rounding)
             a = (q - jnp.asarray(128, jnp.bfloat16)) * rows(scale) + rows(bias)
-            if bs.operand == "regs":  # the MMA reads the group from registers: no shared-memory round trip
-                xg = xt_smem.at[:, pl.ds(f * GROUP, GROUP)]
-                if emulated:  # the interpreter's MMA takes no register operand: the same product, into o_smem
-                    prod = jnp.dot(a, xg[...].T, preferred_element_type=jnp.float32)
-                    o_smem[...] += prod.T if by_rows else prod
-                else:
-                    plgpu.wgmma(acc, a, plgpu.transpose_ref(xg, (1, 0)))
-                continue
-            a_smem[0].at[f % 2][...] = a
-            plgpu.commit_smem()
-            plgpu.wgmma(acc, a_smem[0].at[f % 2], xt_smem.at[pl.ds(f * GROUP, GROUP), :])
+            xg = x_smem.at[:, pl.ds(f * GROUP, GROUP)]
+            if interpret:  # the interpreter's MMA takes no register operand: the same product, into o_smem
+                o_smem[...] += jnp.dot(a, xg[...].T, preferred_element_type=jnp.float32).T
+            else:  # the MMA reads the group from registers: no shared-memory round trip
+                plgpu.wgmma(acc, a, plgpu.transpose_ref(xg, (1, 0)))
         # the pipeline refills this step's buffers once the body returns (letting the MMAs run on into the next
         # step, x released a step late, measured slower on the H200: 24.9 against 23.7 us at 17408x5120)
         plgpu.wgmma_wait(0)
         return acc
 
-    if bs.operand == "regs":  # x [block_m, TILE] K-major, 128-byte rows: transposed, the MMA's right operand
-        x_spec = plgpu.BlockSpec((bm, TILE), lambda t: (i, first + t),
-                                 transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
-    else:
-        x_spec = plgpu.BlockSpec((TILE, bm), lambda t: (first + t, i),
-                                 transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32)))
-
     def scope(acc):
-        if emulated:
+        if interpret:
             o_smem[...] = jnp.zeros_like(o_smem)
         plgpu.emit_pipeline(
             body,
             grid=(tiles,),
             in_specs=[
-                x_spec,
-                plgpu.BlockSpec((bn, w_cols), lambda t: (j, first + t),
-                                transforms=(plgpu.TilingTransform((8, w_cols)), plgpu.SwizzleTransform(128))),
+                # x [block_m, TILE] K-major, 128-byte rows: transposed, the MMA's right operand
+                plgpu.BlockSpec((bm, TILE), lambda t: (i, first + t),
+                                transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))),
+                plgpu.BlockSpec((bn, WORDS), lambda t: (j, first + t),
+                                transforms=(plgpu.TilingTransform((8, WORDS)), plgpu.SwizzleTransform(128))),
                 plgpu.BlockSpec((4, bn), lambda t: (first + t, j)),
             ],
             max_concurrent_steps=bs.stages,
             init_carry=acc,
-        )(xt_gmem, w_gmem, sb_gmem)
-        if not emulated:
-            if by_rows:
-                _store_transposed(acc[...], o_smem, interpret)
-            else:
-                o_smem[...] = acc[...]
+        )(x_gmem, w_gmem, sb_gmem)
+        if not interpret:
+            _store_transposed(acc[...], o_smem, interpret)
         plgpu.commit_smem()
-        rows_out, cols_out = pl.ds(i * bm, bm), pl.ds(j * bn, bn)  # by rows, TMA drops a block's rows past M
-        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[s, rows_out, cols_out] if by_rows else o_gmem.at[s, cols_out, rows_out])
+        # TMA drops a block's rows past M
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[s, pl.ds(i * bm, bm), pl.ds(j * bn, bn)])
         plgpu.wait_smem_to_gmem(0)
 
     pl.run_scoped(scope, plgpu.ACC((bn, bm), jnp.float32))
@@ -234,10 +201,8 @@ def _check(x, words, packed, group_size, bs: BlockSizes):
     if packed.dtype != jnp.uint32 or packed.shape != (k // GROUP, n):
         raise ValueError(f"want packed scales uint32 {(k // GROUP, n)} (`quant.pack_scale_bias`), got "
                          f"{packed.shape=} {packed.dtype=}")
-    if bs.operand not in ("smem", "regs") or bs.unpack not in ("words", "halves") or bs.out not in ("rows", "cols"):
-        raise ValueError(f"unknown operand {bs.operand!r}, unpack {bs.unpack!r} or out {bs.out!r}")
-    if bs.operand == "regs" and (bs.block_m % 8 or bs.block_m > 256) or bs.operand == "smem" and bs.block_m != 16:
-        raise ValueError(f"operand {bs.operand!r} cannot take block_m={bs.block_m} (regs: 8-row tiles; smem: 16)")
+    if bs.block_m % 8 or bs.block_m > 256:
+        raise ValueError(f"block_m={bs.block_m} must be a multiple of 8 (TMA's 8-row tiles) and at most 256")
     if n % bs.block_n or k % (TILE * bs.split_k):
         raise ValueError(f"N={n} must be a multiple of {bs.block_n} and K={k} of {TILE}*split {bs.split_k}")
 
@@ -260,41 +225,29 @@ def qmatmul_parts(x: jax.Array, words: jax.Array, packed: jax.Array, *, group_si
     step, `ops.add_norm`, sums them with its add in one fusion)."""
     k = x.shape[-1]
     n = words.shape[0]
-    bs = block_sizes or BlockSizes.for_weight(n, k, **POLICY)
+    bs = block_sizes or BlockSizes.for_weight(n, k)
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     if not bs.block_m:  # a row's bits do not depend on the MMA's N (H200, 8..64: `probe_qmatmul --block-m-check`)
         bs = dataclasses.replace(bs, block_m=min(MAX_BLOCK_M, pl.cdiv(m, 8) * 8))
     _check(x, words, packed, group_size, bs)
     mp = pl.cdiv(m, bs.block_m) * bs.block_m
-    xt = x2.astype(jnp.bfloat16)
-    if bs.pad_rows or interpret or bs.operand != "regs":
-        xt = jnp.pad(xt, ((0, mp - m), (0, 0)))
+    xp = x2.astype(jnp.bfloat16)
+    if interpret:  # the interpreter takes no block past the array's end
+        xp = jnp.pad(xp, ((0, mp - m), (0, 0)))
     elif m > 8 and m % 8:  # TMA reads an array of under 8 rows or of whole 8-row tiles; boxes past it read zeros
-        xt = jnp.pad(xt, ((0, -m % 8), (0, 0)))
-    xt = xt if bs.operand == "regs" else xt.T  # [K, Mp]: the MMA's right operand, K-major
-    if bs.unpack != "words":
-        words = lax.bitcast_convert_type(words, jnp.uint16).reshape(n, k // 4)  # a word's low half first
+        xp = jnp.pad(xp, ((0, -m % 8), (0, 0)))
     tiles = k // TILE // bs.split_k
-    by_rows = bs.out == "rows"
-    kernel = functools.partial(_kernel, bs=bs, tiles=tiles, interpret=interpret)
     call = plgpu.kernel(
-        kernel,
-        out_type=jax.ShapeDtypeStruct((bs.split_k, mp if interpret else m, n) if by_rows else (bs.split_k, n, mp),
-                                      jnp.float32),  # the interpreter takes no block past the array's end
-        scratch_types=[
-            plgpu.SMEM((bs.block_m, bs.block_n) if by_rows else (bs.block_n, bs.block_m), jnp.float32),
-            *([] if bs.operand == "regs" else [
-                plgpu.SMEM((2, bs.block_n, GROUP), jnp.bfloat16,
-                           transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32)))]),
-        ],
+        functools.partial(_kernel, bs=bs, tiles=tiles, interpret=interpret),
+        out_type=jax.ShapeDtypeStruct((bs.split_k, mp if interpret else m, n), jnp.float32),
+        scratch_types=[plgpu.SMEM((bs.block_m, bs.block_n), jnp.float32)],
         grid=(n // bs.block_n, mp // bs.block_m, bs.split_k),
         grid_names=("n", "m", "k"),
         kernel_name="qmatmul_mgpu",
         interpret=_interpret_params() if interpret else None,
     )
-    parts = call(xt, words, packed)  # [split, M, N] (out "cols": [split, N, Mp])
-    parts = parts[:, :m] if by_rows else parts[:, :, :m].transpose(0, 2, 1)
+    parts = call(xp, words, packed)[:, :m]  # [split, M, N]
     return parts.reshape(bs.split_k, *x.shape[:-1], n)
 
 

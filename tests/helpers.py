@@ -9,20 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tfjax.bench.hf import hf_config
 from tfjax.config import ModelConfig
 from tfjax.models.layers import PROMPT, ROWS
-
-
-def hf_config(config: ModelConfig):
-    """The transformers text config equal to a tfjax geometry."""
-    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
-
-    d = config.to_dict()
-    d.pop("model_type")
-    d.pop("dtype")
-    cls = Qwen3_5MoeTextConfig if config.is_moe else Qwen3_5TextConfig
-    keep = {k: v for k, v in d.items() if k in cls.__dataclass_fields__ or k in ("rope_parameters",)}
-    return cls(**keep)
 
 
 def make_hf_checkpoint(config: ModelConfig, out: Path, seed: int = 0):

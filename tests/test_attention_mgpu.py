@@ -23,7 +23,7 @@ def _check(args, bs, interpret):
 
 def _partials_reference(q, k_pages, v_pages, page_table, positions, chunk_k, programs):
     """Numpy float64: each program's (o unnormalised, m, l) per query row, as the kernel's contract states them:
-    program c takes chunk c, or of `programs` interleaved, chunks c, c + programs, ..."""
+    program c of `programs` takes the interleaved chunks c, c + programs, ..."""
     b, t, h, e = q.shape
     _, page, g, _ = k_pages.shape
     rows, span = t * (h // g), page_table.shape[1] * page
@@ -97,12 +97,12 @@ def test_interpret_fixed_chunks_over_a_wide_page_table_match_reference():
         _check((q, kp, vp, table, positions), bs, True)
 
 
-INTERLEAVED = am.BlockSizes(chunk_programs=4, interleave=True)  # 2 KV heads: 2 programs take the 64-key chunks
+INTERLEAVED = am.BlockSizes(chunk_programs=4)  # 2 KV heads: 2 programs take the 64-key chunks
 
 
 @pytest.mark.parametrize("t,bs", [(8, am.DEFAULT), (1, am.DEFAULT), (8, am.BlockSizes(chunk_programs=8)),
-                                  (3, INTERLEAVED), (2, am.BlockSizes(chunk_k=128, chunk_programs=6, interleave=True))],
-                         ids=["8-rows", "1-row", "5-tiles-a-chunk", "interleaved", "interleaved-128-key-chunks"])
+                                  (3, INTERLEAVED), (2, am.BlockSizes(chunk_k=128, chunk_programs=6))],
+                         ids=["8-rows", "1-row", "4-programs-a-head", "2-programs-a-head", "128-key-chunks"])
 def test_interpret_partials_per_chunk_and_row_match_numpy(t, bs):
     _check_partials(_case(np.random.default_rng(t), 1, t, 12, 2, 64, 20, 16, jnp.bfloat16), bs, True)
 
@@ -127,7 +127,7 @@ def test_program_pages_deal_each_programs_tiles_in_order():
     assert table[0, :8].tolist() == [0, 1, 2, 3, 8, 9, 10, 11] and table[1, :6].tolist() == [4, 5, 6, 7, 12, 13]
 
 
-@pytest.mark.parametrize("bs", [am.DEFAULT, INTERLEAVED], ids=["default", "interleaved"])
+@pytest.mark.parametrize("bs", [am.DEFAULT, INTERLEAVED], ids=["default", "2-programs-a-head"])
 def test_interpret_rows_bit_identical_to_each_row_alone(bs):
     rng = np.random.default_rng(3)
     q, kp, vp, pt, pos = _case(rng, 1, 5, 4, 2, 64, 8, 16, jnp.bfloat16, [[60, 61, 62, 63, 64]])
@@ -152,20 +152,19 @@ def test_interpret_nan_past_the_last_position_never_reaches_a_row():
     assert rel_err(y, clean) < 1e-2
 
 
-@pytest.mark.parametrize("bs", [am.DEFAULT, am.BlockSizes(block_k=128, stages=1), am.BlockSizes(interleave=True)],
-                         ids=["default", "long-tiles", "interleaved"])
+@pytest.mark.parametrize("bs", [am.DEFAULT, am.BlockSizes(block_k=128, stages=1), am.BlockSizes(chunk_k=128)],
+                         ids=["default", "long-tiles", "128-key-chunks"])
 def test_lowers_to_mosaic_gpu_for_cuda(bs):
     text = am.lowered_for_gpu((1, 8, 24, 256), (256, 16, 4, 256), 256, bs)
     assert "mosaic_gpu" in text and 'name = "attention_combine"' in text
 
 
 def test_lowers_at_qwen35s_longest_context():
-    """A 262k-key span: 8192-key chunks, 512 page ids a program, loaded in TMA boxes of at most 256."""
-    assert "mosaic_gpu" in am.lowered_for_gpu((1, 8, 24, 256), (256, 16, 4, 256), 262144 // 16)
-    interleaved = am.BlockSizes(interleave=True)  # 32 programs a KV head (132 // 4 rounded down) of 4096 chunks
-    p = am.plan(262144 // 16, 16, 4, interleaved)
+    """A 262k-key span: 32 programs a KV head (132 // 4 rounded down) of 4096 chunks, 512 page ids a program, loaded
+    in TMA boxes of at most 256."""
+    p = am.plan(262144 // 16, 16, 4, am.DEFAULT)
     assert (p.programs, p.ids) == (32, 512)
-    assert "mosaic_gpu" in am.lowered_for_gpu((1, 8, 24, 256), (256, 16, 4, 256), 262144 // 16, interleaved)
+    assert "mosaic_gpu" in am.lowered_for_gpu((1, 8, 24, 256), (256, 16, 4, 256), 262144 // 16)
 
 
 def test_supports_names_what_the_dispatch_may_send():
@@ -222,7 +221,8 @@ def test_gpu_nan_past_the_last_position_never_reaches_a_row():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bs", [am.DEFAULT, am.BlockSizes(interleave=True)], ids=["default", "interleaved"])
+@pytest.mark.parametrize("bs", [am.DEFAULT, am.BlockSizes(chunk_k=128, chunk_programs=8)],
+                         ids=["default", "128-key-chunks"])
 def test_gpu_rows_bit_identical_to_each_row_alone(bs):
     rng = np.random.default_rng(5)
     t = 16
@@ -235,9 +235,9 @@ def test_gpu_rows_bit_identical_to_each_row_alone(bs):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t,bs", [(8, am.DEFAULT), (1, am.DEFAULT), (7, am.DEFAULT),
-                                  (8, am.BlockSizes(chunk_programs=8)), (8, am.BlockSizes(interleave=True)),
-                                  (1, am.BlockSizes(chunk_k=128, chunk_programs=8, interleave=True))],
-                         ids=["48-rows", "6-rows", "42-rows", "5-tiles-a-chunk", "interleaved", "interleaved-2"])
+                                  (8, am.BlockSizes(chunk_programs=8)),
+                                  (1, am.BlockSizes(chunk_k=128, chunk_programs=8))],
+                         ids=["48-rows", "6-rows", "42-rows", "2-programs-a-head", "128-key-chunks"])
 def test_gpu_partials_per_chunk_and_row_match_numpy(t, bs):
     assert jax.default_backend() == "gpu"
     _check_partials(_case(np.random.default_rng(t), 2, t, 24, 4, 256, 40, 16, jnp.bfloat16), bs, False)
@@ -249,8 +249,7 @@ def test_gpu_interleaved_chunks_give_the_same_bits_in_a_wider_page_table():
     q, kp, vp, pt, _ = _case(rng, 2, 8, 24, 4, 256, 300, 16, jnp.bfloat16)
     wide = jnp.concatenate([pt, jnp.full((2, 724), kp.shape[0], jnp.int32)], axis=1)  # a 16k span, 4800 keys
     positions = jnp.asarray([np.arange(8) + 4700, np.arange(8) + 900], jnp.int32)
-    bs = am.BlockSizes(interleave=True)
-    own = am.paged_attention(q, kp, vp, pt, positions, block_sizes=bs)
-    walked = am.paged_attention(q, kp, vp, wide, positions, block_sizes=bs)
+    own = am.paged_attention(q, kp, vp, pt, positions)
+    walked = am.paged_attention(q, kp, vp, wide, positions)
     np.testing.assert_array_equal(np.asarray(walked).view(np.uint16), np.asarray(own).view(np.uint16))
     assert rel_err(walked, am.reference(q, kp, vp, wide, positions)) < 1e-2

@@ -80,7 +80,6 @@ def test_partials_of_a_mosaic_linear_summed_by_the_norm_give_the_unfused_residua
     calls = {"parts": spy_interpreted(monkeypatch, mg, "qmatmul_parts", lambda a, kw: a[0].shape),
              "pairs": spy_interpreted(monkeypatch, mg, "qmatmul_pairs", lambda a, kw: a[0].shape),
              "norm": spy_interpreted(monkeypatch, rn, "row_norm", lambda a, kw: a[0].shape)}
-    monkeypatch.setattr(mg, "POLICY", dict(max_split=2, programs=10**6))  # 1024 inputs: 4 tiles, split 2
     rng = np.random.default_rng(21)
     lin = layers.Linear(1024, 128, quant=(4, 64), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     lin.weight[...] = jnp.asarray(rng.integers(0, 2**32, (128, 1024 // 8), dtype=np.uint32))
@@ -92,7 +91,8 @@ def test_partials_of_a_mosaic_linear_summed_by_the_norm_give_the_unfused_residua
     h = jnp.asarray(rng.standard_normal((2, 1, 1024)), jnp.bfloat16)
     x = jnp.asarray(rng.standard_normal((2, 1, 128)), jnp.bfloat16)
     parts = lin.partials(h, rows=True)
-    assert parts.shape == (2, 2, 1, 128) and parts.dtype == jnp.float32 and calls["parts"] == [(2, 1, 1024)]
+    assert parts.shape == (4, 2, 1, 128)  # 1024 inputs: 4 tiles, split 4
+    assert parts.dtype == jnp.float32 and calls["parts"] == [(2, 1, 1024)]
     nx, y = norm.add(x, parts, rows=True)
     want_nx = x + lin(h, rows=True)
     np.testing.assert_array_equal(np.asarray(nx, np.float32), np.asarray(want_nx, np.float32))

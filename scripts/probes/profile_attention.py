@@ -3,7 +3,7 @@ dense27's attention shape, per context and rows, for each candidate BlockSizes (
 against XLA's).
 
   PYTHONPATH=. python3 scripts/probes/profile_attention.py [--contexts 2048,16384,65536] [--rows 1,8] [--sets 4]
-      [--span 65536] [--cands "[dict(), dict(combine='xla'), dict(interleave=True)]"]
+      [--span 65536] [--cands "[dict(), dict(chunk_k=128), dict(chunk_programs=264)]"]
 
 `--sets` KV pools a call (4 of 16k and up overflow the H100's 50 MB L2; at 2k they fit in it, so the timing
 table of bench_graph.py, which takes more, is the one to quote).
@@ -44,13 +44,12 @@ def main():
     ap.add_argument("--rows", default="1,8")
     ap.add_argument("--sets", type=int, default=4)
     ap.add_argument("--span", type=int, default=0, help="page tables this many keys wide whatever the context")
-    ap.add_argument("--cands", default="[dict(), dict(combine='xla')]",
+    ap.add_argument("--cands", default="[dict(), dict(chunk_k=128)]",
                     help="attention_mgpu.BlockSizes keywords, a Python list of dicts")
     args = ap.parse_args()
 
-    from bench_graph import kv_sets, verify_rows
-
     from pallas_kernels import attention_mgpu as am
+    from tfjax.bench.attention import kv_sets, verify_rows
 
     variants = {str(kw): am.BlockSizes(**kw) for kw in eval(args.cands)}  # noqa: S307 (a benchmark's own flag)
     for ctx in map(int, args.contexts.split(",")):

@@ -11,7 +11,7 @@ from tfjax.lanes import blocks, snapshots
 from tfjax.lanes import round as lane_round_mod
 from tfjax.lanes.config import LaneConfig
 from tfjax.lanes.drafter import ModelFacts, RoundFacts, round_facts
-from tfjax.models.qwen3_5 import DeltaState
+from tfjax.models.decoder import DeltaState
 
 
 class Runner:

@@ -12,7 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from tfjax.models.qwen3_5 import Cache, DeltaState
+from tfjax.models.decoder import Cache, DeltaState
 
 
 def empty_pool(cache: Cache | None, slots: int) -> list | None:

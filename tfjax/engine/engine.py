@@ -152,7 +152,7 @@ class Engine:
 
     def _fail(self, lane: int, error: Exception) -> None:
         """End one lane's request with finish_reason "error"; the other lanes go on."""
-        log.error("request in lane %d failed: %r", lane, error)
+        log.error("request in lane %d failed: %r", lane, error, exc_info=error)  # the operator's traceback
         slot = self.scheduler.running[lane]
         slot.finish_reason, slot.error = "error", f"{type(error).__name__}: {error}"
         try:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import secrets
 from typing import Any
 
@@ -187,6 +186,11 @@ def check_message_calls(value: Any, i: int) -> list[dict]:
     return out
 
 
+def _literal(text: str) -> str:
+    """`text` as a regex in outlines-core's (Rust) syntax: its meta characters escaped, nothing else."""
+    return "".join("\\" + c if c in "\\.+*?()|[]{}^$#&-~" else c for c in text)
+
+
 def _call_regex(tool: dict, i: int) -> str:
     """One call of `tool` as the model writes it: tags on their own lines, then {"name": ..., "arguments": {...}}."""
     fn = tool["function"]
@@ -195,8 +199,8 @@ def _call_regex(tool: dict, i: int) -> str:
         args = grammar.schema_regex(params, f"tools[{i}].function.parameters") if params else r"\{\}"
     except ValueError as e:
         raise ApiError(400, str(e), "invalid_value", f"tools[{i}].function.parameters") from None
-    name = re.escape(json.dumps(fn["name"], ensure_ascii=False))
-    return rf'{re.escape(OPEN)}\n\{{"name": {name}, "arguments": {args}\}}\n{re.escape(CLOSE)}'
+    name = _literal(json.dumps(fn["name"], ensure_ascii=False))
+    return rf'{_literal(OPEN)}\n\{{"name": {name}, "arguments": {args}\}}\n{_literal(CLOSE)}'
 
 
 def choice_regex(tools: tuple[dict, ...], choice: str | None) -> str | None:

@@ -88,6 +88,9 @@ def outlines_vocabulary(tokenizer, eos_id: int, skip: tuple[int, ...] = ()):
     import outlines_core
 
     special = set(getattr(tokenizer, "_special_ids", set())) | set(skip) | {eos_id}
+    backend = getattr(tokenizer, "backend", None)
+    if backend is not None:  # decode(skip_special_tokens=True) drops a special token's text: it cannot spell any
+        special |= {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
     spelled: dict[bytes, list[int]] = {}
     for i in range(tokenizer.vocab_size):
         if i in special:

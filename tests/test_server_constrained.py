@@ -44,9 +44,9 @@ def client(tmp_path_factory):
         yield OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
 
-def _calls(client, stream: bool, **kw) -> tuple[list[tuple[str, dict]], str, dict]:
+def _calls(client, stream: bool, model: str = "tiny", **kw) -> tuple[list[tuple[str, dict]], str, dict]:
     """([(name, arguments)], finish_reason, extra fields) of one chat request, streamed or not."""
-    body = dict(model="tiny", messages=MESSAGES, tools=[WEATHER, CLOCK], max_tokens=150, **kw)
+    body = dict(model=model, messages=MESSAGES, tools=[WEATHER, CLOCK], max_tokens=150, **kw)
     if not stream:
         reply = client.chat.completions.create(**body)
         calls = reply.choices[0].message.tool_calls or []
@@ -158,8 +158,9 @@ def test_smollm2_calls_the_named_tool_with_arguments_that_validate():
         client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         named = {"type": "function", "function": {"name": "get_weather"}}
         for stream in (False, True):
-            calls, finish, extra = _calls(client, stream, tool_choice=named, temperature=0)
+            calls, finish, extra = _calls(client, stream, "smollm2", tool_choice=named, temperature=0)
             assert finish == "tool_calls" and [n for n, _ in calls] == ["get_weather"], (calls, finish)
             _validate(calls[0][1], WEATHER["function"]["parameters"])
-        _, _, plain = _calls(client, False, tool_choice=named, temperature=0, extra_body={"draft": False})
+        _, _, plain = _calls(client, False, "smollm2", tool_choice=named, temperature=0,
+                             extra_body={"draft": False})
         assert plain["token_sha256"] == extra["token_sha256"]

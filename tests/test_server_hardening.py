@@ -274,7 +274,7 @@ def test_tool_calls_parse_through_the_openai_client_streamed_and_whole(served, m
     url, _ = served
     pieces = iter([])
 
-    def delta(self, tokens):
+    def delta(self, tokens, lp=None):
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
             self.pieces = iter([CALL_TEXT[i : i + 5] for i in range(0, len(CALL_TEXT), 5)])

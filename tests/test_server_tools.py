@@ -98,3 +98,24 @@ def test_assistant_tool_calls_and_tool_results_are_accepted_in_the_input():
                 {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}):
         with pytest.raises(ApiError):
             protocol.parse_completion({"messages": [bad]}, chat=True)
+
+
+def test_choice_regex_spells_exactly_the_calls_tool_choice_allows():
+    import re
+
+    clock = {"type": "function", "function": {"name": "now (v2)"}}
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    tick = '<tool_call>\n{"name": "now (v2)", "arguments": {}}\n</tool_call>'
+    assert tools.choice_regex((WEATHER, clock), "auto") is None and tools.choice_regex((WEATHER,), "none") is None
+    named = tools.choice_regex((WEATHER, clock), "get_weather")
+    assert re.fullmatch(named, call) and not re.fullmatch(named, tick) and not re.fullmatch(named, f"{call}\n{call}")
+    assert not re.fullmatch(named, call.replace('"Oslo"', "3")), "arguments follow the tool's schema"
+    required = tools.choice_regex((WEATHER, clock), "required")
+    for ok in (call, tick, f"{tick}\n{call}\n{call}"):
+        assert re.fullmatch(required, ok), ok
+    for bad in ("", "Sure. " + call, call.replace("get_weather", "get_time")):
+        assert not re.fullmatch(required, bad), bad
+    odd = {"type": "function", "function": {"name": "f", "parameters": {"type": "widget"}}}
+    with pytest.raises(ApiError) as e:
+        tools.choice_regex((WEATHER, odd), "required")
+    assert e.value.param == "tools[1].function.parameters"

@@ -109,12 +109,16 @@ class LLM:
                 stop: list[str] | None = None, draft: bool = True, ignore_eos: bool = False, on_tokens=None,
                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
                 logit_bias: dict[int, float] | None = None, logprobs: bool = False, top_logprobs: int = 0,
-                response_format: dict | None = None) -> Request:
+                response_format: dict | None = None, regex: str | None = None, on_logprobs=None) -> Request:
+        """One engine request. `response_format` (OpenAI's) or `regex` (outlines-core syntax, e.g. tool calls')
+        constrains the output; `on_tokens` / `on_logprobs` get each round's kept tokens and their logprobs."""
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         ids = self.encode(prompt)
         knobs = self.sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-        token_grammar = self.grammars.compile(response_format)
+        if regex is not None and response_format not in (None, {"type": "text"}):
+            raise ValueError("give response_format or regex, not both")
+        token_grammar = self.grammars.compile_regex(regex) if regex is not None else self.grammars.compile(response_format)
         stop_check = None
         if stop:
             def stop_check(out: list[int], stops=tuple(stop)) -> int | None:
@@ -128,7 +132,8 @@ class LLM:
                     n -= 1
                 return n
         return Request(ids, max_tokens=max_tokens, **knobs, seed=seed, draft=draft, ignore_eos=ignore_eos,
-                       stop_check=stop_check, on_tokens=on_tokens, presence_penalty=presence_penalty,
+                       stop_check=stop_check, on_tokens=on_tokens, on_logprobs=on_logprobs,
+                       presence_penalty=presence_penalty,
                        frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
                        logit_bias=logit_bias, logprobs=logprobs, top_logprobs=top_logprobs, grammar=token_grammar)
 

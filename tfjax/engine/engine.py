@@ -127,8 +127,12 @@ class Engine:
         del slot.logprobs[len(slot.output):], slot.top_logprobs[len(slot.output):]
 
     def _deliver(self, slot: LaneSlot, tokens: list[int]) -> None:
-        if tokens and slot.request.on_tokens is not None:
-            slot.request.on_tokens(tokens)
+        """Hand a request its newly kept tokens (the tail of its output), their logprobs first when asked."""
+        req = slot.request
+        if tokens and req.on_logprobs is not None and self._wants_logprobs(req):
+            req.on_logprobs(slot.logprobs[-len(tokens):], slot.top_logprobs[-len(tokens):])
+        if tokens and req.on_tokens is not None:
+            req.on_tokens(tokens)
 
     def _complete(self, req: Request, result: Result) -> None:
         """Hand a Result to its request's `on_finish`, or keep it in `results` for `run`."""

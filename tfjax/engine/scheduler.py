@@ -42,6 +42,8 @@ class Request:
     ignore_eos: bool = False
     stop_check: Callable[[list[int]], int | None] | None = None  # index to cut at, or None
     on_tokens: Callable[[list[int]], None] | None = None
+    # called just before on_tokens (same thread) with those tokens' logprobs and top alternatives, when asked
+    on_logprobs: Callable[[list[float], list[list[tuple[int, float]]]], None] | None = None
     on_finish: Callable[[Any], None] | None = None  # gets the Result (then it is not kept in engine.results)
     id: int = dataclasses.field(default_factory=itertools.count().__next__)
 

@@ -21,6 +21,7 @@ the context is refused before tokenizing. Tokenizers with a normalizer (which ma
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import contextlib
 import hmac
@@ -160,18 +161,28 @@ class Stream:
         self.bounds = [0]  # text length after each token
         self.sent = 0
         self.first_token_at: float | None = None
+        self.logprobs: list[tuple[int, float, list]] = []  # (token, logprob, top) of every token, when asked
+        self.lp_sent = 0  # tokens whose logprobs went out
+        self.lp_offset = 0  # completions: the text_offset of the next token's logprobs
+        self._pending_lp: tuple[list, list] | None = None  # engine thread: the logprobs of the coming tokens
 
-    # Engine thread.
+    # Engine thread: on_logprobs comes right before the on_tokens of the same tokens.
+    def on_logprobs(self, logprobs: list[float], tops: list[list[tuple[int, float]]]) -> None:
+        self._pending_lp = (list(logprobs), [list(t) for t in tops])
+
     def on_tokens(self, tokens: list[int]) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (self.index, "tokens", list(tokens)))
+        lp, self._pending_lp = self._pending_lp, None
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (self.index, "tokens", (list(tokens), lp)))
 
     def on_finish(self, result: Result) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (self.index, "done", result))
 
     # Event loop.
-    def delta(self, tokens: list[int]) -> str:
+    def delta(self, tokens: list[int], lp: tuple[list, list] | None = None) -> str:
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
+        if lp is not None:
+            self.logprobs.extend(zip(tokens, *lp, strict=True))
         for t in tokens:
             self.text += self.decoder.push(t)
             self.bounds.append(len(self.text))
@@ -182,6 +193,17 @@ class Stream:
             safe = max(b for b in self.bounds if b <= safe)  # whole tokens only
         piece, self.sent = self.text[self.sent : max(safe, self.sent)], max(safe, self.sent)
         return piece
+
+    def logprobs_delta(self, chat: bool) -> dict | None:
+        """The logprobs of the tokens whose text went out and whose logprobs did not yet (None: no such tokens)."""
+        released = min(bisect.bisect_right(self.bounds, self.sent) - 1, len(self.logprobs))
+        if released <= self.lp_sent:
+            return None
+        ids, lps, tops = zip(*self.logprobs[self.lp_sent : released], strict=True)
+        body = protocol.logprobs_of(chat, self.tokenizer, ids, lps, tops, self.lp_offset)
+        self.lp_offset += sum(len(protocol.token_text(self.tokenizer, t)) for t in ids)
+        self.lp_sent = released
+        return body
 
     def _stop_prefix(self) -> int:
         """Length of the longest tail of the text that begins some stop string."""
@@ -316,16 +338,21 @@ class Server:
         if any(not 0 <= t < self.engine.runner.vocab for t in params.sampling.get("logit_bias", {})):
             raise ApiError(400, f"logit_bias token ids must be in [0, {self.engine.runner.vocab})", "invalid_value",
                            "logit_bias")
+        regex = tooling.choice_regex(params.tools, params.tool_choice)  # tool_choice required / named
+        if regex is not None and params.sampling.get("response_format", {"type": "text"}) != {"type": "text"}:
+            raise ApiError(400, "'response_format' cannot be combined with 'tool_choice' = \"required\" or a named "
+                           "function: the reply is then tool calls", "invalid_value", "response_format")
         reqs = []
         for stream in streams:
             seed = None if params.seed is None else (params.seed + stream.index) % 2**32
-            try:  # response_format compiles here: a schema the grammar library refuses is a 400
+            try:  # the output format compiles here: one the grammar library refuses is a 400
                 req = self.llm.request(ids, max_tokens=max_tokens, temperature=params.temperature, top_k=params.top_k,
                                        top_p=params.top_p, min_p=params.min_p, seed=seed, stop=list(params.stop),
                                        draft=params.draft and self.drafts, ignore_eos=params.ignore_eos,
-                                       on_tokens=stream.on_tokens, **params.sampling)
+                                       on_tokens=stream.on_tokens, on_logprobs=stream.on_logprobs, regex=regex,
+                                       **params.sampling)
             except ValueError as e:
-                raise ApiError(400, str(e), "invalid_value", "response_format") from None
+                raise ApiError(400, str(e), "invalid_value", "tool_choice" if regex else "response_format") from None
             req.on_finish = stream.on_finish
             reqs.append(req)
         try:
@@ -401,15 +428,17 @@ class Server:
             c["logprobs"] = protocol.logprobs_body(params.chat, self.tokenizer, r)
         return JSONResponse(protocol.reply(params, rid, model, created, choices, results, draft))
 
-    def _delta(self, stream: Stream, tokens: list[int], started: float) -> str:
-        """The text these tokens add to the choice, timing them for the TTFT and inter-token histograms."""
+    def _delta(self, stream: Stream, value: tuple[list[int], tuple | None], started: float) -> str:
+        """The text these tokens (and their logprobs) add to the choice, timing them for the TTFT and inter-token
+        histograms."""
+        tokens, lp = value
         now = time.perf_counter()
         if stream.last_at is None:
             self.metrics.first_token(now - started)
         else:
             self.metrics.tokens(len(tokens), now - stream.last_at)
         stream.last_at = now
-        return stream.delta(tokens)
+        return stream.delta(tokens, lp)
 
     async def _watch_disconnect(self, http: HttpRequest, request_ids: list[int]) -> None:
         """Cancel the requests as soon as the client goes away (checked every 50 ms)."""
@@ -425,13 +454,17 @@ class Server:
             return _event(protocol.chunk(params, rid, model, created, index=i, **kw))
 
         def pieces(i: int, items: list) -> list[str]:
+            """Chunks of text and tool calls; the first carries the logprobs of the tokens whose text went out."""
             out = []
             for item in items:
+                if not item:
+                    continue
+                lp = None if out else streams[i].logprobs_delta(params.chat)
                 if isinstance(item, tooling.ToolCall):
-                    out.append(chunk(i, tool_calls=[item.openai(index=calls[i])]))
+                    out.append(chunk(i, tool_calls=[item.openai(index=calls[i])], logprobs=lp))
                     calls[i] += 1
-                elif item:
-                    out.append(chunk(i, text=item))
+                else:
+                    out.append(chunk(i, text=item, logprobs=lp))
             return out
 
         events, draft = streams[0].events, reqs[0].draft
@@ -458,8 +491,9 @@ class Server:
                 for ev in pieces(i, items):
                     yield ev
                 reason = "tool_calls" if calls[i] and result.finish_reason == "stop" else result.finish_reason
-                yield chunk(i, finish_reason=reason, extra=protocol.extras(result, draft),
-                            logprobs=protocol.logprobs_body(params.chat, self.tokenizer, result))
+                yield chunk(i, finish_reason=reason, extra=protocol.extras(result, draft),  # with the logprobs not sent
+                            logprobs=protocol.logprobs_body(params.chat, self.tokenizer, result, streams[i].lp_sent,
+                                                            streams[i].lp_offset))
             if params.include_usage:
                 yield _event(protocol.usage_chunk(params, rid, model, created, results, draft))
             yield "data: [DONE]\n\n"

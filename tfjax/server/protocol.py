@@ -323,21 +323,29 @@ def _token_entry(tokenizer, token: int, logprob: float) -> dict:
     return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
 
 
-def logprobs_body(chat: bool, tokenizer, result, start: int = 0, text_offset: int = 0) -> dict | None:
-    """OpenAI's logprobs of a reply's tokens from `start` on: chat `{"content": [...]}`, completions
-    `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`; None when the request asked none."""
-    if result.logprobs is None:
-        return None
-    ids, lps, tops = result.token_ids[start:], result.logprobs[start:], result.top_logprobs[start:]
+def token_text(tokenizer, token: int) -> str:
+    return tokenizer.token_bytes(token).decode("utf-8", errors="replace")
+
+
+def logprobs_of(chat: bool, tokenizer, ids, lps, tops, text_offset: int = 0) -> dict:
+    """OpenAI's logprobs of these tokens: chat `{"content": [...]}`, completions `{"tokens", "token_logprobs",
+    "top_logprobs", "text_offset"}` (offsets counted from `text_offset`, the text of the tokens before)."""
     if chat:
         return {"content": [{**_token_entry(tokenizer, t, lp),
                              "top_logprobs": [_token_entry(tokenizer, i, v) for i, v in top]}
                             for t, lp, top in zip(ids, lps, tops, strict=True)]}
-    tokens = [tokenizer.token_bytes(t).decode("utf-8", errors="replace") for t in ids]
+    tokens = [token_text(tokenizer, t) for t in ids]
     offsets = [text_offset + sum(len(x) for x in tokens[:k]) for k in range(len(tokens))]
-    return {"tokens": tokens, "token_logprobs": lps, "text_offset": offsets,
-            "top_logprobs": [{tokenizer.token_bytes(i).decode("utf-8", errors="replace"): v for i, v in top}
-                             for top in tops]}
+    return {"tokens": tokens, "token_logprobs": list(lps), "text_offset": offsets,
+            "top_logprobs": [{token_text(tokenizer, i): v for i, v in top} for top in tops]}
+
+
+def logprobs_body(chat: bool, tokenizer, result, start: int = 0, text_offset: int = 0) -> dict | None:
+    """The logprobs of a reply's tokens from `start` on (`logprobs_of`); None when the request asked none."""
+    if result.logprobs is None:
+        return None
+    return logprobs_of(chat, tokenizer, result.token_ids[start:], result.logprobs[start:],
+                       result.top_logprobs[start:], text_offset)
 
 
 def completion_id(chat: bool, request_id: int) -> str:

@@ -3,6 +3,9 @@
 The model writes `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; `StreamParser` turns text pieces
 into content text and `ToolCall`s as they arrive (holding back a tail that may begin `<tool_call>`), and
 `parse` runs the same parser over a whole reply, so a streamed reply and a whole one always agree.
+`tool_choice` "required" or a named function is enforced, not only asked: `choice_regex` spells the calls the
+reply must be (the tags in the format the prompt shows, each function's name, its arguments following its
+`parameters` schema), and the grammar machinery masks every verify row with it, so such a request still drafts.
 Templates that know nothing of tools (no `tools` in their source) get the tool list and the call format as a
 system message of ours, and earlier calls and results as text in the same format.
 """
@@ -14,6 +17,7 @@ import json
 import secrets
 from typing import Any
 
+from tfjax import grammar
 from tfjax.server.errors import ApiError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -180,6 +184,35 @@ def check_message_calls(value: Any, i: int) -> list[dict]:
         out.append({"id": call.get("id") if isinstance(call.get("id"), str) else new_call_id(), "type": "function",
                     "function": {"name": fn["name"], "arguments": args}})
     return out
+
+
+def _literal(text: str) -> str:
+    """`text` as a regex in outlines-core's (Rust) syntax: its meta characters escaped, nothing else."""
+    return "".join("\\" + c if c in "\\.+*?()|[]{}^$#&-~" else c for c in text)
+
+
+def _call_regex(tool: dict, i: int) -> str:
+    """One call of `tool` as the model writes it: tags on their own lines, then {"name": ..., "arguments": {...}}."""
+    fn = tool["function"]
+    params = fn.get("parameters")
+    try:  # no parameters: OpenAI's empty parameter list
+        args = grammar.schema_regex(params, f"tools[{i}].function.parameters") if params else r"\{\}"
+    except ValueError as e:
+        raise ApiError(400, str(e), "invalid_value", f"tools[{i}].function.parameters") from None
+    name = _literal(json.dumps(fn["name"], ensure_ascii=False))
+    return rf'{_literal(OPEN)}\n\{{"name": {name}, "arguments": {args}\}}\n{_literal(CLOSE)}'
+
+
+def choice_regex(tools: tuple[dict, ...], choice: str | None) -> str | None:
+    """The regex the whole reply must match for `tool_choice` "required" (one or more calls of any offered tool,
+    a newline apart) or a function's name (exactly one call of it); None when the reply is free."""
+    if choice in (None, "auto", "none"):
+        return None
+    if choice == "required":
+        call = "|".join(f"({_call_regex(t, i)})" for i, t in enumerate(tools))
+        return rf"({call})(\n({call}))*"
+    (i, tool), = [(i, t) for i, t in enumerate(tools) if t["function"]["name"] == choice]
+    return _call_regex(tool, i)
 
 
 # --- prompts ------------------------------------------------------------------------------------------------

@@ -73,7 +73,7 @@ def split_key(relative: str) -> str:
     parts = Path(relative).as_posix().split("/")
     for marker in ("_vendor", "vendored", "_vendored", "extern", "_distutils"):
         if marker in parts[:-1]:
-            parts = parts[len(parts) - 1 - parts[::-1].index(marker) :]
+            parts = parts[len(parts) - parts[::-1].index(marker) :]
     return "/".join(parts)
 
 
@@ -220,7 +220,6 @@ def build(roots: list[tuple[str, Path]] | None = None, *, prompts: int = 4000, h
     """About `prompts` prompts (training and held-out together) from the source trees, deterministically."""
     roots = source_roots() if roots is None else roots
     out: list[Prompt] = []
-    held_texts: set[str] = set()
     seen: set[str] = set()
     for source, path in iter_files(roots, seed):
         if len(out) >= prompts:
@@ -245,10 +244,9 @@ def build(roots: list[tuple[str, Path]] | None = None, *, prompts: int = 4000, h
                 got += doc_prompts(doc, source, h, 1, salt)
         else:
             got = doc_prompts(text, source, h, per_file, salt)
-        if h:
-            held_texts.update(p.text for p in got)
-        out.extend(p for p in got if h or p.text not in held_texts)
-    return out
+        out.extend(got)
+    held_texts = {p.text for p in out if p.held}
+    return [p for p in out if p.held or p.text not in held_texts]  # a function two files share stays held out
 
 
 def save(prompts: list[Prompt], path: str | Path) -> Path:

@@ -181,6 +181,9 @@ def main():
 
     evalb = rows(held[: args.batch])
     cases = eval_prompts(prompts, ids, args.eval_prompts, args.seed)
+    context = -(-(args.max_prompt_tokens + args.eval_tokens + args.block + 2) // 16) * 16  # one compiled round
+    print(f"{len(trained)} training sequences, {len(held)} held out; {int(data['lengths'].sum())} tokens; "
+          f"acceptance on {sum(map(len, cases.values()))} held-out prompts ({', '.join(cases)})")
     log = (out / "log.jsonl").open("a")
     best = {"score": -1.0}
 
@@ -189,8 +192,8 @@ def main():
         loss, stats = train.evaluate(ddef, params, tdef, tparams, evalb, args.anchors, args.gamma,
                                      compute_dtype=compute)
         candidate = serving(nnx.merge(ddef, jax.tree.map(jnp.copy, train.cast(params, compute))))
-        acc = {k: train.acceptance(served, candidate, v, args.eval_tokens, lanes=len(v), eos_ids=eos)[0]
-               for k, v in cases.items()}
+        acc = {k: train.acceptance(served, candidate, v, args.eval_tokens, lanes=args.eval_prompts, eos_ids=eos,
+                                   context=context)[0] for k, v in cases.items()}
         score = float(np.mean(list(acc.values())))
         row = {"step": i, "seconds": round(time.monotonic() - t0, 1), "held_loss": round(float(loss), 4),
                **{f"held_{k}": round(float(v), 4) for k, v in stats.items()},

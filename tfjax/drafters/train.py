@@ -211,7 +211,7 @@ def learning_rate(progress: float, peak: float, warmup: float = 0.03, floor: flo
     if progress < warmup:
         return peak * progress / warmup
     t = min((progress - warmup) / max(1.0 - warmup, 1e-9), 1.0)
-    return peak * (floor + (1.0 - floor) * 0.5 * (1.0 + np.cos(np.pi * t)))
+    return float(peak * (floor + (1.0 - floor) * 0.5 * (1.0 + np.cos(np.pi * t))))
 
 
 def evaluate(drafter_def, params, target_def, target_params, batch, anchors: int, gamma: float, seed: int = 0,

@@ -60,6 +60,8 @@ def prompt_set(args, out: Path, tok: Tokenizer) -> tuple[list[corpus.Prompt], li
     keep = [i for i, x in enumerate(ids) if 0 < len(x) <= args.max_prompt_tokens]
     prompts, ids = [prompts[i] for i in keep], [ids[i] for i in keep]
     print(corpus.summary(prompts))
+    if not any(p.held for p in prompts) or all(p.held for p in prompts):
+        raise SystemExit(f"{len(prompts)} prompts, all held out or none: raise --prompts or change --held")
     return prompts, ids
 
 

@@ -93,6 +93,14 @@ def source_roots() -> list[tuple[str, Path]]:
     return roots
 
 
+def _skipped(relative: str) -> bool:
+    """Caches, the stdlib's own site-packages, package metadata and licence texts (the same prose many times)."""
+    parts = relative.split("/")
+    if "__pycache__" in parts or "site-packages" in parts or any(p.endswith((".dist-info", ".egg-info")) for p in parts):
+        return True
+    return parts[-1].upper().startswith(("LICENSE", "LICENCE", "COPYING", "AUTHORS", "NOTICE", "THIRD"))
+
+
 def iter_files(roots: list[tuple[str, Path]], seed: int = 0) -> Iterator[tuple[str, Path]]:
     """(root/relative, path) of every source file, in the order of a hash of its relative path and `seed`."""
     found = []
@@ -100,7 +108,7 @@ def iter_files(roots: list[tuple[str, Path]], seed: int = 0) -> Iterator[tuple[s
         for path in root.rglob("*"):
             if path.suffix in (".py", *DOC_SUFFIXES) or path.name.upper().startswith("README"):
                 rel = path.relative_to(root).as_posix()
-                if "__pycache__" not in rel and "site-packages" not in rel:  # stdlib holds site-packages
+                if not _skipped(rel):
                     found.append((_digest(f"order:{seed}:{rel}"), f"{name}/{rel}", path))
     found.sort()
     for _, source, path in found:

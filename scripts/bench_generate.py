@@ -9,6 +9,12 @@
 accept depends on real weights (`--exact` adds them anyway: their hashes still check exactness on the GPU).
 
 Every row's `token_sha256` is compared with the plain row of its cell (`draft: false`).
+
+`--prompts FILE` (a `tfjax/drafters/corpus.py` prompt set, e.g. a drafter run's OUT/prompts.jsonl.gz) replaces
+the built-in prompts with `--per-cell` HELD-OUT prompts of each cell (code edit: edit prompts, code new: code
+prompts, chat: chat prompts), which a drafter trained on that set never saw; a row sums their tokens, time and
+rounds, and counts equal hashes. `--streams N` runs N of a cell's prompts at once (N lanes; tok/s is the sum of
+the N streams, tok/round their mean), `--per-cell` rounded up to a multiple of N.
 """
 
 from __future__ import annotations
@@ -28,13 +34,37 @@ CHAT = [{"role": "user", "content": "Write three short tips for learning to cook
 SAMPLED = dict(temperature=1.0, top_k=20, top_p=0.95, seed=3)
 
 
-def timed(llm, prompt, tokens: int, draft: bool, params: dict):
-    llm.generate(prompt, max_tokens=8, draft=draft, ignore_eos=True, **params)  # warm the compile cache
-    t = time.perf_counter()
-    out = llm.generate(prompt, max_tokens=tokens, draft=draft, ignore_eos=True, **params)
-    if out.finish_reason == "error":  # a failed reply's hash proves nothing: stop the table here
-        raise SystemExit(f"reply failed (draft={draft}): {out.error}")
-    return len(out.token_ids) / (time.perf_counter() - t), out
+def timed_groups(llm, groups: list[list], tokens: int, draft: bool, params: dict):
+    """(tok/s summed over each group's streams, tokens a round, replies): the groups one after another, each
+    group's prompts at once; the first group warms the compile cache first."""
+    llm.generate_many(groups[0], max_tokens=8, draft=draft, ignore_eos=True, **params)
+    spent, outs = 0.0, []
+    for group in groups:
+        t = time.perf_counter()
+        got = llm.generate_many(group, max_tokens=tokens, draft=draft, ignore_eos=True, **params)
+        spent += time.perf_counter() - t
+        for out in got:
+            if out.finish_reason == "error":
+                raise SystemExit(f"reply failed (draft={draft}): {out.error}")
+        outs += got
+    made = sum(len(o.token_ids) for o in outs)
+    return made / spent, sum(o.tokens_per_round for o in outs) / len(outs), outs
+
+
+def held_out_cells(path: str, per_cell: int, streams: int) -> list[tuple[str, list[list]]]:
+    """(cell, groups of `streams` prompts) from a corpus prompt set's held-out prompts, a fixed pick per cell."""
+    from tfjax.drafters import corpus
+
+    prompts = corpus.load(path)
+    per_cell = -(-per_cell // streams) * streams
+    out = []
+    for cell, kind in (("code edit", "edit"), ("code new", "code"), ("chat", "chat")):
+        pool = sorted((p for p in prompts if p.held and p.kind == kind), key=lambda p: (p.source, p.text))
+        step = max(1, len(pool) // per_cell)
+        pick = [[{"role": "user", "content": p.text}] if p.chat else p.text for p in pool[::step][:per_cell]]
+        if len(pick) >= streams:
+            out.append((cell, [pick[i : i + streams] for i in range(0, len(pick) - streams + 1, streams)]))
+    return out
 
 
 def random_model(path: str, bits: int):
@@ -61,8 +91,11 @@ def main():
                     help="random MLX BITS-bit weights of the folder's geometry (0: unquantized); plain rows only")
     ap.add_argument("--cells", default="code edit,code new,chat", help="prompts to run, comma separated")
     ap.add_argument("--sampling", default="greedy,sampled", help="greedy, sampled or both")
+    ap.add_argument("--prompts", default=None, help="a corpus prompt set (.jsonl.gz): its held-out prompts")
+    ap.add_argument("--per-cell", type=int, default=4, help="with --prompts: prompts a cell")
+    ap.add_argument("--streams", type=int, default=1, help="with --prompts: prompts at once")
     args = ap.parse_args()
-    kw = dict(lanes=1, width=args.width, context=args.context)
+    kw = dict(lanes=max(1, args.streams), width=args.width, context=args.context)
     if args.random_weights is not None:
         kw["model"] = random_model(args.model, args.random_weights)
     engines = {"copies": api.load(args.model, copy_match=args.copy_match, **kw)}
@@ -76,23 +109,29 @@ def main():
     notes: list[str] = []
     print("| cell | mode | tok/s | tok/round | x plain | hash == plain |")
     print("|---|---|---|---|---|---|")
-    cells = [c for c in (("code edit", CODE), ("code new", CODE_NEW), ("chat", CHAT)) if c[0] in args.cells.split(",")]
+    if args.prompts:
+        cells = held_out_cells(args.prompts, args.per_cell, args.streams)
+    else:
+        cells = [(c, [[p]]) for c, p in (("code edit", CODE), ("code new", CODE_NEW), ("chat", CHAT))]
+    cells = [c for c in cells if c[0] in args.cells.split(",")]
     modes = [m for m in (("greedy", {}), ("sampled", SAMPLED)) if m[0] in args.sampling.split(",")]
-    for name, prompt in cells:
+    for name, groups in cells:
+        label = name if not args.prompts else f"{name} (held out x{sum(map(len, groups))}, {args.streams} at once)"
         for sampling, params in modes:
-            base_s, base = timed(engines["copies"], prompt, args.tokens, False, params)
-            print(f"| {name}, {sampling} | plain | {base_s:.1f} | {base.tokens_per_round:.2f} | 1.00 | - |")
+            base_s, base_r, base = timed_groups(engines["copies"], groups, args.tokens, False, params)
+            print(f"| {label}, {sampling} | plain | {base_s:.1f} | {base_r:.2f} | 1.00 | - |")
             drafted = args.random_weights is None or args.exact
             runs = [(m, llm, True) for m, llm in engines.items()] if drafted else []
             if args.plain_twice:
                 runs.insert(0, ("plain again", engines["copies"], False))
             for mode, llm, draft in runs:
-                s, out = timed(llm, prompt, args.tokens, draft, params)
-                same = "1/1" if out.token_sha256 == base.token_sha256 else "0/1"
-                print(f"| {name}, {sampling} | {mode} | {s:.1f} | {out.tokens_per_round:.2f} | {s / base_s:.2f} | {same} |",
+                s, r, outs = timed_groups(llm, groups, args.tokens, draft, params)
+                same = sum(o.token_sha256 == b.token_sha256 for o, b in zip(outs, base, strict=True))
+                print(f"| {label}, {sampling} | {mode} | {s:.1f} | {r:.2f} | {s / base_s:.2f} | {same}/{len(base)} |",
                       flush=True)
-                if out.token_sha256 != base.token_sha256:
-                    notes.append(f"{name}, {sampling}, {mode}: {first_difference(base.token_ids, out.token_ids)}")
+                for k, (o, b) in enumerate(zip(outs, base, strict=True)):
+                    if o.token_sha256 != b.token_sha256:
+                        notes.append(f"{name} #{k}, {sampling}, {mode}: {first_difference(b.token_ids, o.token_ids)}")
     for note in notes:
         print(note)
 

@@ -1,16 +1,27 @@
-"""Distill a DFlash2 drafter for a target on the target's own generations; resumable, exported as safetensors.
+"""Distill a DFlash2 drafter for a target on the target's own generations of real prompts; resumable, exported by
+held-out acceptance.
 
-  TFJAX_CACHE=/tmp/tfjax-cache PYTHONPATH=. python3 scripts/train_drafter.py --model smollm2 --out runs/smollm2-dflash2
+  PYTHONPATH=. python3 scripts/train_drafter.py --model smollm2 --out runs/smollm2-dflash2 --time-budget 520
 
-Writes OUT/data.npz (the target's generations), OUT/feats.npy (its tapped states), OUT/ckpt (orbax, every
---save-every steps; a rerun resumes from the latest) and OUT/drafter (config.json + model.safetensors in the
-published DFlash2 layout, loadable with `tfjax.load(model, drafter=OUT/drafter)`).
+Prompts (`tfjax/drafters/corpus.py`): code, edit, chat and text prompts cut from this install's standard library
+and site-packages, the files held out by a hash of their relative path (never trained on). Writes, in OUT:
+  prompts.jsonl.gz  the prompt set (a rerun, or `--prompts-file`, reuses it);
+  data.npz          the target's continuations (greedy, and sampled for `--sampled` of the training prompts),
+                    generated once through the serving setup, `draft: false`;
+  ckpt/             orbax, every --save-every steps (or `--ckpt DIR`); a rerun resumes from the latest;
+  drafter/          config.json + model.safetensors (bf16, the published DFlash2 layout) of the best drafter so far
+                    by held-out acceptance: tokens a round of its blocks alone in the real lane round, greedy, on
+                    held-out prompts; loadable with `tfjax.load(model, drafter=OUT/drafter)`;
+  log.jsonl         one line an evaluation (step, seconds, held-out loss, acceptance by kind).
+`--time-budget` bounds the whole run: generation stops admitting prompts at `--gen-share` of it, training stops
+early enough for the last evaluation.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import jax
@@ -18,205 +29,211 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
-from tqdm.auto import tqdm
 
-from tfjax import api, checkpoint, models, ops
-from tfjax.drafters import dflash2, dflash2_checkpoint, train
+from tfjax import api, checkpoint, compile_cache, models, ops
+from tfjax.drafters import corpus, dflash2, dflash2_checkpoint, train
+from tfjax.models.layers import serving_layout
 from tfjax.tokenizer import Tokenizer
 
-CODE = [
-    "def triangle_numbers(n):\n", "def is_prime(n):\n", "def binary_search(items, target):\n",
-    "class Queue:\n    def __init__(self):\n", "def merge_sort(values):\n", "def read_csv(path):\n",
-    "import os\n\ndef list_files(folder):\n", "def flatten(nested):\n", "def word_count(text):\n",
-    "class Node:\n    def __init__(self, value, next=None):\n", "def reverse_words(sentence):\n",
-    "def gcd(a, b):\n", "def parse_args():\n    parser = argparse.ArgumentParser()\n", "SELECT name, email FROM",
-    "function debounce(fn, wait) {\n", "def matrix_multiply(a, b):\n", "def to_snake_case(name):\n",
-    "for i in range(10):\n", "def unique(values):\n    seen = set()\n", "def factorial(n):\n",
-    "def chunked(items, size):\n", "class LRUCache:\n    def __init__(self, capacity):\n", "def median(values):\n",
-    "def is_palindrome(text):\n", "def transpose(matrix):\n", "async def fetch_all(urls):\n",
-    "def count_vowels(word):\n", "class Vector:\n    def __init__(self, x, y):\n", "def rotate(items, k):\n",
-    "def histogram(values, bins):\n", "def dedent(text):\n", "def celsius_to_fahrenheit(c):\n",
-    "#include <stdio.h>\n\nint main(void) {\n", "fn main() {\n", "def quicksort(values):\n",
-    "def parse_date(text):\n", "const sum = (xs) =>", "def levenshtein(a, b):\n", "def pairwise(items):\n",
-    "CREATE TABLE users (\n",
-]
-# Edit prompts: a snippet, then the same snippet with one name renamed (the model copies most of it back).
-EDITS = [
-    ("def mean(xs):\n    s = 0\n    for x in xs:\n        s += x\n    return s / len(xs)\n", "s", "running"),
-    ("def find(items, key):\n    for i, item in enumerate(items):\n        if item == key:\n            return i\n"
-     "    return -1\n", "item", "value"),
-    ("class Counter:\n    def __init__(self):\n        self.count = 0\n\n    def bump(self):\n"
-     "        self.count += 1\n        return self.count\n", "count", "n"),
-    ("def squares(limit):\n    out = []\n    for k in range(limit):\n        out.append(k * k)\n    return out\n",
-     "out", "result"),
-    ("def longest(words):\n    best = ''\n    for w in words:\n        if len(w) > len(best):\n            best = w\n"
-     "    return best\n", "best", "longest_word"),
-    ("function clamp(x, lo, hi) {\n  if (x < lo) return lo;\n  if (x > hi) return hi;\n  return x;\n}\n", "x",
-     "value"),
-    ("def evens(numbers):\n    kept = []\n    for n in numbers:\n        if n % 2 == 0:\n            kept.append(n)\n"
-     "    return kept\n", "kept", "evens_found"),
-    ("def join_lines(lines):\n    text = ''\n    for line in lines:\n        text += line + '\\n'\n    return text\n",
-     "text", "joined"),
-]
-EDIT_PROMPTS = [f"Original:\n{code}\nThe same code with `{a}` renamed to `{b}`:\n" for code, a, b in EDITS]
-CHAT = [
-    "How do I start running regularly?", "Explain what a hash table is.", "How do I make a paper plane?",
-    "Give me a short poem about the sea.", "What is the difference between a list and a tuple in Python?",
-    "Summarise the plot of Romeo and Juliet.", "How can I sleep better?", "Write a haiku about autumn.",
-    "What are the planets of the solar system?", "Explain recursion to a child.", "Suggest a name for a cat.",
-    "How do I boil an egg?", "What is machine learning?", "Write a short story about a robot.",
-    "List five fruits and their colours.", "How does a refrigerator work?", "Why do leaves change colour in autumn?",
-    "Give me a recipe for pancakes.", "What is the capital of Japan and what is it known for?",
-    "Write a thank-you note to a teacher.", "How do vaccines work?", "Plan a three-day trip to Rome.",
-    "What is the difference between weather and climate?", "Give me five ideas for a birthday party.",
-    "Explain how a compiler works in simple terms.", "Write a limerick about a programmer.",
-    "What should I pack for a camping trip?", "How do I start learning the guitar?",
-    "Describe the water cycle.", "Write a short email asking for a day off.", "What is photosynthesis?",
-    "Compare cats and dogs as pets.", "How do I keep houseplants alive?", "Explain what an API is.",
-    "Give me a weekly workout plan for beginners.", "What causes earthquakes?", "Write a product description "
-    "for a reusable water bottle.", "How can I improve my handwriting?", "Explain the rules of chess briefly.",
-    "What are good habits for saving money?",
-]
+EVAL_KINDS = ("code", "edit", "chat")  # the bench cells: code new, code edit, chat
 
 
-def prompt_ids(tok: Tokenizer, path: str | None) -> list[list[int]]:
-    """Code and edit prompts as raw text, chat prompts through the chat template (or a JSON list of strings).
-
-    None of them is a prompt of `bench_generate.py` or `bench_concurrent.py`."""
-    if path:
-        return [tok.encode(p) for p in json.loads(Path(path).read_text())]
-    chat = [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}])) for c in CHAT]
-    return [tok.encode(c) for c in CODE + EDIT_PROMPTS] + chat
+def serving(module):
+    """`module` set up as `tfjax.load` serves it: the GPU's kernels and layout, else the references."""
+    module.kernels = ops.Kernels.default()
+    if module.kernels.pallas:
+        serving_layout(module)
+    return module
 
 
-def build_data(args, model: Path, target, tok, prompts: list[list[int]], out: Path) -> dict[str, np.ndarray]:
-    """The target's own generations of `prompts` (greedy, then sampled with other seeds), cached in OUT/data.npz.
+def prompt_set(args, out: Path, tok: Tokenizer) -> tuple[list[corpus.Prompt], list[list[int]]]:
+    """The prompts (built once from this install's sources, kept in OUT) and their token ids, over-long ones out."""
+    path = Path(args.prompts_file) if args.prompts_file else out / "prompts.jsonl.gz"
+    if path.exists():
+        prompts = corpus.load(path)
+    else:
+        t = time.perf_counter()
+        prompts = corpus.build(prompts=args.prompts, held=args.held, per_file=args.per_file, seed=args.seed)
+        corpus.save(prompts, path)
+        print(f"built {len(prompts)} prompts in {time.perf_counter() - t:.0f} s -> {path}")
+    ids = [p.ids(tok) for p in prompts]
+    keep = [i for i, x in enumerate(ids) if 0 < len(x) <= args.max_prompt_tokens]
+    prompts, ids = [prompts[i] for i in keep], [ids[i] for i in keep]
+    print(corpus.summary(prompts))
+    if not any(p.held for p in prompts) or all(p.held for p in prompts):
+        raise SystemExit(f"{len(prompts)} prompts, all held out or none: raise --prompts or change --held")
+    return prompts, ids
 
-    On a GPU they come from the serving setup (checkpoint dtype, kernel layout, Pallas kernels) as `tfjax.load`
-    builds it from `model`; on the CPU from the float32 `target` itself."""
+
+def build_data(args, out: Path, target, prompts, ids, eos, deadline: float) -> dict[str, np.ndarray]:
+    """The target's continuations, in OUT/data.npz: every prompt greedy, `--sampled` of the training ones sampled
+    too; held-out prompts first so a deadline never leaves the held-out set empty."""
     path = out / "data.npz"
     if path.exists():
         return dict(np.load(path))
-    if ops.Kernels.default().pallas:
-        target = api.load(model, lanes=args.lanes).model
-    seqs_p, seqs_o = [], []
-    for rep in range(args.samples):
-        temp = 0.0 if rep == 0 else args.temperature
-        bar = tqdm(total=len(prompts), desc=f"generating {rep + 1}/{args.samples} (T={temp})")
-        outs = train.generate(target, prompts, args.max_tokens, lanes=args.lanes, temperature=temp, seed=1000 * rep,
-                              eos_ids=tuple(tok.eos_ids), progress=lambda n, bar=bar: bar.update(n - bar.n))
-        bar.close()
-        seqs_p += prompts
-        seqs_o += outs
-    data = train.pack(seqs_p, seqs_o, args.seq_len)
+    rng = np.random.default_rng(args.seed)
+    held = [i for i, p in enumerate(prompts) if p.held]
+    trained = rng.permutation([i for i, p in enumerate(prompts) if not p.held]).tolist()
+    sampled = trained[: int(args.sampled * len(trained))]
+    which = held + trained + sampled
+    temps = [0.0] * (len(held) + len(trained)) + [args.temperature] * len(sampled)
+    t = time.perf_counter()
+    outs = train.generate(target, [ids[i] for i in which], args.max_tokens, lanes=args.lanes, temperatures=temps,
+                          seed=args.seed * 1000, eos_ids=eos, deadline=deadline)
+    done = [k for k, o in enumerate(outs) if o is not None]
+    new = sum(len(outs[k]) for k in done)
+    print(f"generated {len(done)}/{len(which)} continuations, {new} tokens in {time.perf_counter() - t:.0f} s "
+          f"({new / (time.perf_counter() - t):.0f} tok/s, {args.lanes} lanes)")
+    data = train.pack([ids[which[k]] for k in done], [outs[k] for k in done], args.max_prompt_tokens + args.max_tokens)
+    data["prompt"] = np.array([which[k] for k in done], np.int32)
+    data["held"] = np.array([prompts[which[k]].held for k in done])
+    data["temperature"] = np.array([temps[k] for k in done], np.float32)
     np.savez(path, **data)
     return data
 
 
-def build_feats(args, tdef, tparams, data, taps, out: Path) -> np.ndarray:
-    """The target's tapped states of every sequence, cached in OUT/feats.npy (float16)."""
-    path = out / "feats.npy"
-    if path.exists():
-        return np.load(path, mmap_mode="r")
-    chunks = []
-    for s in tqdm(range(0, len(data["tokens"]), args.feat_batch), desc="tapping the target"):
-        f = train.tap_features(tdef, tparams, jnp.asarray(data["tokens"][s : s + args.feat_batch]), taps)
-        chunks.append(np.asarray(f, np.float16))
-    feats = np.concatenate(chunks)
-    if not np.isfinite(feats).all():
-        raise ValueError("tapped states overflow float16")
-    np.save(path, feats)
-    return feats
-
-
-def split_by_prompt(sequences: int, prompts: int, held_prompts: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(held, trained) sequence indices; sequence i answers prompt i % prompts, and every answer to a held
-    prompt is held, so the held-out loss measures prompts the drafter never saw."""
-    if not 0 < held_prompts < prompts:
-        raise ValueError(f"--held-prompts {held_prompts} must be between 1 and the {prompts} prompts - 1")
-    held_ids = np.random.default_rng(seed).choice(prompts, held_prompts, replace=False)
-    held = np.isin(np.arange(sequences) % prompts, held_ids)
-    return np.flatnonzero(held), np.flatnonzero(~held)
+def eval_prompts(prompts, ids, per_kind: int, seed: int) -> dict[str, list[list[int]]]:
+    """`per_kind` held-out prompts of each evaluated kind, fixed by `seed`."""
+    rng = np.random.default_rng(seed + 1)
+    out = {}
+    for kind in EVAL_KINDS:
+        pool = [i for i, p in enumerate(prompts) if p.held and p.kind == kind]
+        out[kind] = [ids[i] for i in sorted(rng.permutation(pool)[:per_kind].tolist())]
+    return {k: v for k, v in out.items() if v}
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--prompts", default=None, help="a JSON list of prompt strings (default: built-in code + chat)")
-    ap.add_argument("--samples", type=int, default=3, help="generations per prompt: 1 greedy + sampled ones")
+    ap.add_argument("--ckpt", default=None, help="orbax folder (default OUT/ckpt)")
+    ap.add_argument("--prompts-file", default=None, help="a corpus .jsonl.gz (default: OUT/prompts.jsonl.gz, built)")
+    ap.add_argument("--prompts", type=int, default=4000, help="prompts to build, training and held out")
+    ap.add_argument("--held", type=float, default=0.1, help="fraction of source files held out")
+    ap.add_argument("--per-file", type=int, default=2)
+    ap.add_argument("--max-prompt-tokens", type=int, default=256)
+    ap.add_argument("--sampled", type=float, default=0.25, help="fraction of training prompts answered sampled too")
     ap.add_argument("--temperature", type=float, default=0.8)
-    ap.add_argument("--max-tokens", type=int, default=160)
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--lanes", type=int, default=8)
-    ap.add_argument("--feat-batch", type=int, default=4)
-    ap.add_argument("--layers", type=int, default=5)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--lanes", type=int, default=128, help="lanes generating the data")
+    ap.add_argument("--time-budget", type=float, default=None, help="seconds for the whole run")
+    ap.add_argument("--gen-share", type=float, default=0.35, help="share of --time-budget generation may take")
+    ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--block", type=int, default=8)
     ap.add_argument("--taps", type=int, default=5)
-    ap.add_argument("--intermediate", type=int, default=None)
-    ap.add_argument("--rank", type=int, default=64)
+    ap.add_argument("--intermediate", type=int, default=1024)
+    ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=600)
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=4000)
+    ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--anchors", type=int, default=16)
     ap.add_argument("--gamma", type=float, default=4.0)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--save-every", type=int, default=50)
+    ap.add_argument("--dtype", default="bfloat16", help="the drafter's compute dtype (masters stay float32)")
+    ap.add_argument("--target-dtype", default=None, help="the target's dtype (default: the checkpoint's)")
+    ap.add_argument("--save-every", type=int, default=500)
+    ap.add_argument("--eval-every", type=float, default=60, help="seconds of training between evaluations")
+    ap.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts of each kind for acceptance")
+    ap.add_argument("--eval-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--held-prompts", type=int, default=4,
-                    help="prompts whose generations are never trained on; the reported loss is theirs")
     args = ap.parse_args()
+    t0 = time.monotonic()
+    compile_cache.enable()
+    budget = args.time_budget or float("inf")
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     path = api.resolve(args.model)
-    target, tcfg = checkpoint.load(path, dtype="float32")
-    target.kernels = ops.REFERENCE  # gradients flow through the target's embedding and lm_head: jnp ops only
     tok = Tokenizer.from_dir(path)
+    served, tcfg = checkpoint.load(path, dtype=args.target_dtype, progress=False)
+    served = serving(served)  # generation and acceptance run the target as it is served
+    eos = tuple(tok.eos_ids) or tcfg.eos_token_id
+    prompts, ids = prompt_set(args, out, tok)
+    data = build_data(args, out, served, prompts, ids, eos, t0 + args.gen_share * budget)
+
+    target, _ = checkpoint.load(path, dtype=args.target_dtype, progress=False)
+    target.kernels = ops.REFERENCE  # gradients flow through the target's embedding and lm_head: jnp ops only
     tdef, tparams = models.split(target)
     added = tok.backend.get_added_tokens_decoder()
     mask = max(added) if added else tcfg.vocab_size - 1  # a special token plain text never holds
     cfg = train.config_for(tcfg, layers=args.layers, block=args.block, taps=args.taps, mask_token_id=mask,
-                           rank=args.rank, top_k=args.top_k, intermediate=args.intermediate)
-    prompts = prompt_ids(tok, args.prompts)
-    data = build_data(args, path, target, tok, prompts, out)
-    data["feats"] = build_feats(args, tdef, tparams, data, cfg.target_layer_ids, out)
-
+                           rank=args.rank, top_k=args.top_k, intermediate=args.intermediate, dtype=args.dtype)
     drafter = dflash2.build(cfg, seed=args.seed).bind(tcfg)
     drafter.kernels = ops.REFERENCE  # trained through jnp ops (its kernels have no gradients)
     ddef, params = nnx.split(drafter)
-    opt = train.optimizer(args.lr, min(50, args.steps // 10), args.steps)
+    params = train.cast(params, jnp.float32)  # float32 masters; steps compute in cfg.dtype
+    compute = jnp.dtype(args.dtype)
+    opt = train.unit_optimizer()
     opt_state = opt.init(params)
-    mngr = ocp.CheckpointManager(out / "ckpt", options=ocp.CheckpointManagerOptions(max_to_keep=2))
+    mngr = ocp.CheckpointManager(Path(args.ckpt or out / "ckpt").resolve(),
+                                 options=ocp.CheckpointManagerOptions(max_to_keep=1))
     start = 0
     if mngr.latest_step() is not None:
         start = mngr.latest_step()
         restored = mngr.restore(start, args=ocp.args.StandardRestore({"params": params, "opt": opt_state}))
         params, opt_state = restored["params"], restored["opt"]
         print(f"resumed at step {start}")
-    step = train.make_step(opt, args.anchors, args.gamma)
-    held, trained = split_by_prompt(len(data["tokens"]), len(prompts), args.held_prompts, args.seed)
+    step = train.make_step(opt, args.anchors, args.gamma, compute)
+    held = np.flatnonzero(data["held"])
+    trained = np.flatnonzero(~data["held"])
+    tokens = {k: jnp.asarray(data[k]) for k in ("tokens", "lengths", "starts")}  # all on the device, a few MB
 
     def rows(idx):
-        return {k: jnp.asarray(np.asarray(v[idx], np.float32 if k == "feats" else None)) for k, v in data.items()}
+        return {k: v[jnp.asarray(idx)] for k, v in tokens.items()}
 
     evalb = rows(held[: args.batch])
-    loss0 = float(train.evaluate(ddef, params, tdef, tparams, evalb, args.anchors, args.gamma)[0])
-    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="training")
-    for i in bar:
-        batch = rows(np.sort(np.random.default_rng(args.seed * 100_003 + i).choice(trained, args.batch, replace=False)))
-        params, opt_state, loss, stats = step(ddef, params, opt_state, tdef, tparams, batch, jax.random.key(i))
-        bar.set_postfix({k: f"{float(v):.3f}" for k, v in stats.items()})
-        if (i + 1) % args.save_every == 0 or i + 1 == args.steps:
-            mngr.save(i + 1, args=ocp.args.StandardSave({"params": params, "opt": opt_state}))
+    cases = eval_prompts(prompts, ids, args.eval_prompts, args.seed)
+    context = -(-(args.max_prompt_tokens + args.eval_tokens + args.block + 2) // 16) * 16  # one compiled round
+    print(f"{len(trained)} training sequences, {len(held)} held out; {int(data['lengths'].sum())} tokens; "
+          f"acceptance on {sum(map(len, cases.values()))} held-out prompts ({', '.join(cases)})")
+    log = (out / "log.jsonl").open("a")
+    best = {"score": -1.0}
+
+    def evaluate(i: int) -> None:
+        t = time.perf_counter()
+        loss, stats = train.evaluate(ddef, params, tdef, tparams, evalb, args.anchors, args.gamma,
+                                     compute_dtype=compute)
+        candidate = serving(nnx.merge(ddef, jax.tree.map(jnp.copy, train.cast(params, compute))))
+        acc = {k: train.acceptance(served, candidate, v, args.eval_tokens, lanes=args.eval_prompts, eos_ids=eos,
+                                   context=context)[0] for k, v in cases.items()}
+        score = float(np.mean(list(acc.values())))
+        row = {"step": i, "seconds": round(time.monotonic() - t0, 1), "held_loss": round(float(loss), 4),
+               **{f"held_{k}": round(float(v), 4) for k, v in stats.items()},
+               **{f"tokens_a_round_{k}": round(v, 3) for k, v in acc.items()}, "eval_s": round(time.perf_counter() - t, 1)}
+        log.write(json.dumps(row) + "\n")
+        log.flush()
+        print(row, flush=True)
+        best["eval_s"] = time.perf_counter() - t  # the next evaluation's cost, kept back from the budget
+        if score > best["score"]:
+            best.update(score=score, step=i, row=row)
+            dflash2_checkpoint.save(nnx.merge(ddef, train.cast(params, compute)), out / "drafter", dtype="bfloat16")
+
+    i, last = start, None
+    rng = np.random.default_rng(args.seed * 100_003 + start)
+    evaluate(i)  # the untrained drafter's numbers, and the compile of the drafted round
+    last, t_train, t_eval = i, time.monotonic(), time.monotonic()
+    stop = t0 + budget - 5  # the whole run's end; training leaves room for one more evaluation
+    while i < args.steps and time.monotonic() < stop - 1.5 * best["eval_s"]:
+        progress = max((i + 1) / args.steps, (time.monotonic() - t_train) / max(stop - 1.5 * best["eval_s"] - t_train, 1))
+        batch = rows(np.sort(rng.choice(trained, args.batch, replace=False)))
+        params, opt_state, loss, stats = step(ddef, params, opt_state, tdef, tparams, batch, jax.random.key(i),
+                                              train.learning_rate(progress, args.lr))
+        i += 1
+        if i % 50 == 0:
+            print(f"step {i} loss {float(loss):.3f} " + " ".join(f"{k} {float(v):.3f}" for k, v in stats.items())
+                  + f" ({(time.monotonic() - t_train) / (i - start):.3f} s a step, progress {progress:.2f})", flush=True)
+        if i % args.save_every == 0:
+            mngr.save(i, args=ocp.args.StandardSave({"params": params, "opt": opt_state}))
+        if time.monotonic() - t_eval >= args.eval_every:
+            evaluate(i)
+            last, t_eval = i, time.monotonic()
+    if last != i:
+        evaluate(i)
+    if mngr.latest_step() != i:
+        mngr.save(i, args=ocp.args.StandardSave({"params": params, "opt": opt_state}), force=True)
     mngr.wait_until_finished()
-    loss1, stats1 = train.evaluate(ddef, params, tdef, tparams, evalb, args.anchors, args.gamma)
-    print(f"held-out loss ({len(evalb['tokens'])} sequences of {args.held_prompts} unseen prompts): {loss0:.3f} -> "
-          f"{float(loss1):.3f} ({', '.join(f'{k} {float(v):.3f}' for k, v in stats1.items())})")
-    loss_t, stats_t = train.evaluate(ddef, params, tdef, tparams, rows(trained[: args.batch]), args.anchors, args.gamma)
-    print(f"training-set loss: {float(loss_t):.3f} ({', '.join(f'{k} {float(v):.3f}' for k, v in stats_t.items())})")
-    dest = dflash2_checkpoint.save(nnx.merge(ddef, params), out / "drafter", dtype="bfloat16")
-    print(f"drafter: {dest}")
+    print(f"best held-out acceptance at step {best['step']}: {best['row']}")
+    print(f"drafter: {out / 'drafter'} ({time.monotonic() - t0:.0f} s in all)")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -39,21 +40,53 @@ def config_for(target: ModelConfig, *, layers: int = 5, block: int = 8, taps: in
 
 
 def generate(target, prompts: list[list[int]], max_tokens: int, *, lanes: int = 8, temperature: float = 0.0,
-             seed: int = 0, eos_ids: tuple[int, ...] = (), progress=None) -> list[list[int]]:
-    """The target's own continuations of `prompts` (plain lane rounds, `draft: false`)."""
+             seed: int = 0, eos_ids: tuple[int, ...] = (), progress=None, temperatures: list[float] | None = None,
+             deadline: float | None = None) -> list[list[int] | None]:
+    """The target's own continuations of `prompts` (plain lane rounds, `draft: false`).
+
+    `temperatures` gives each prompt its own (0 greedy; sampled ones take top-k 40); past `deadline`
+    (time.monotonic) no new request is admitted and the unfinished ones come back as None."""
     from tfjax.engine import Engine, Request
     from tfjax.lanes.config import LaneConfig
 
+    temps = temperatures if temperatures is not None else [temperature] * len(prompts)
     context = max(len(p) for p in prompts) + max_tokens + 2
     engine = Engine(target, LaneConfig(capacity=lanes, width=1, context=-(-context // 16) * 16), eos_ids=eos_ids)
-    reqs = [Request(p, max_tokens=max_tokens, temperature=temperature, top_k=40 if temperature else 0,
-                    seed=seed + i, draft=False) for i, p in enumerate(prompts)]
-    ids = [engine.submit(r) for r in reqs]
-    while any(i not in engine.results for i in ids):
+    reqs = [Request(p, max_tokens=max_tokens, temperature=t, top_k=40 if t else 0, seed=seed + i, draft=False)
+            for i, (p, t) in enumerate(zip(prompts, temps, strict=True))]
+    ids, queued = [], iter(reqs)
+    while True:  # keep 2x the lanes submitted, so a deadline leaves little half-done work
+        while len(ids) - len(engine.results) < 2 * lanes and (deadline is None or time.monotonic() < deadline):
+            r = next(queued, None)
+            if r is None:
+                break
+            ids.append(engine.submit(r))
+        if all(i in engine.results for i in ids):
+            if len(ids) == len(reqs) or (deadline is not None and time.monotonic() >= deadline):
+                break
+            continue
         engine.step()
         if progress is not None:
             progress(len(engine.results))
-    return [engine.results[i].token_ids for i in ids]
+    done = [engine.results[i].token_ids for i in ids]
+    return done + [None] * (len(reqs) - len(done))
+
+
+def acceptance(target, drafter, prompts: list[list[int]], max_tokens: int, *, lanes: int = 16,
+               eos_ids: tuple[int, ...] = (), context: int | None = None) -> tuple[float, list[float]]:
+    """Tokens a round of the drafter's blocks alone (copies off) in the real lane round, greedy, over `prompts`:
+    committed tokens over rounds, all prompts together, and each prompt's own."""
+    from tfjax.engine import Engine, Request
+    from tfjax.lanes.config import LaneConfig
+    from tfjax.lanes.drafter import RoundFacts
+
+    block = drafter.config.block_size
+    context = context or -(-(max(len(p) for p in prompts) + max_tokens + block + 2) // 16) * 16
+    engine = Engine(target, LaneConfig(capacity=lanes, width=block, context=context), drafter=drafter, eos_ids=eos_ids)
+    engine.runner.set_facts(RoundFacts(copy_match=0, draft_block=block - 1))
+    results = engine.run([Request(p, max_tokens=max_tokens, ignore_eos=True) for p in prompts])
+    total = sum(len(r.token_ids) for r in results) / max(sum(r.rounds for r in results), 1)
+    return total, [r.tokens_per_round for r in results]
 
 
 def pack(prompts: list[list[int]], outputs: list[list[int]], length: int) -> dict[str, np.ndarray]:
@@ -67,15 +100,24 @@ def pack(prompts: list[list[int]], outputs: list[list[int]], length: int) -> dic
     return {"tokens": tokens, "lengths": lengths, "starts": starts}
 
 
-@functools.partial(jax.jit, static_argnames=("target_def", "taps"))
-def tap_features(target_def, target_params, tokens: jax.Array, taps: tuple[int, ...]) -> jax.Array:
+def taps_of(target, tokens: jax.Array, taps: tuple[int, ...]) -> jax.Array:
     """The target's tapped hidden states [S, T, len(taps) * D] of whole sequences tokens [S, T]."""
-    target = models.merge(target_def, target_params)
     s, t = tokens.shape
     cache = target.init_cache(s, t)
     mode = dataclasses.replace(PROMPT, last_only=False, taps=taps)
     _, _, _, feats = target(tokens, jnp.zeros((s,), jnp.int32), jnp.full((s,), t, jnp.int32), cache, mode)
     return feats
+
+
+@functools.partial(jax.jit, static_argnames=("target_def", "taps"))
+def tap_features(target_def, target_params, tokens: jax.Array, taps: tuple[int, ...]) -> jax.Array:
+    """`taps_of`, jitted over the target's (graphdef, params)."""
+    return taps_of(models.merge(target_def, target_params), tokens, taps)
+
+
+def cast(params, dtype):
+    """Floating leaves of a parameter tree in `dtype` (the compute copy of float32 master weights)."""
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
 
 
 def block_loss(drafter: DFlashDrafter, target, feats: jax.Array, tokens: jax.Array, lengths: jax.Array,
@@ -124,19 +166,29 @@ def block_loss(drafter: DFlashDrafter, target, feats: jax.Array, tokens: jax.Arr
     return loss, stats
 
 
-def make_step(optimizer, anchors: int, gamma: float):
-    """A jitted AdamW step over the drafter's parameters (the target is frozen)."""
+def make_step(optimizer, anchors: int, gamma: float, compute_dtype=None):
+    """A jitted AdamW step over the drafter's parameters (the target is frozen).
+
+    A batch holds `feats` (tapped states), or only tokens: then the target's taps are computed in the step. With
+    `compute_dtype` the forward and backward run on a cast of the (float32 master) parameters: the drafter only
+    proposes, so its precision changes what is accepted, never what is output."""
 
     @functools.partial(jax.jit, static_argnames=("drafter_def", "target_def"), donate_argnames=("params", "opt"))
-    def step(drafter_def, params, opt, target_def, target_params, batch, key):
+    def step(drafter_def, params, opt, target_def, target_params, batch, key, scale=1.0):
         target = models.merge(target_def, target_params)
+        feats = batch.get("feats")
+        if feats is None:
+            feats = jax.lax.stop_gradient(taps_of(target, batch["tokens"],
+                                                  models.merge(drafter_def, params).config.target_layer_ids))
 
         def loss_of(p):
-            return block_loss(models.merge(drafter_def, p), target, batch["feats"], batch["tokens"], batch["lengths"],
+            p = p if compute_dtype is None else cast(p, compute_dtype)
+            return block_loss(models.merge(drafter_def, p), target, feats, batch["tokens"], batch["lengths"],
                               batch["starts"], key, anchors, gamma)
 
         (loss, stats), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
         updates, opt = optimizer.update(grads, opt, params)
+        updates = jax.tree.map(lambda u: scale * u, updates)  # the host's learning rate with `unit_optimizer`
         return optax.apply_updates(params, updates), opt, loss, stats
 
     return step
@@ -148,12 +200,32 @@ def optimizer(lr: float = 1e-3, warmup: int = 20, steps: int = 1000, weight_deca
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=weight_decay))
 
 
-def evaluate(drafter_def, params, target_def, target_params, batch, anchors: int, gamma: float, seed: int = 0):
-    """Loss and stats on a batch at fixed anchors (no update)."""
-    return _eval(drafter_def, params, target_def, target_params, batch, jax.random.key(seed), anchors, gamma)
+def unit_optimizer(weight_decay: float = 0.01):
+    """AdamW at learning rate 1, gradients clipped to norm 1: a step's `scale` is the learning rate (set by the
+    host from `learning_rate`, so a run bounded by time still decays)."""
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1.0, weight_decay=weight_decay))
 
 
-@functools.partial(jax.jit, static_argnames=("drafter_def", "target_def", "anchors", "gamma"))
-def _eval(drafter_def, params, target_def, target_params, batch, key, anchors, gamma):
-    return block_loss(models.merge(drafter_def, params), models.merge(target_def, target_params), batch["feats"],
-                      batch["tokens"], batch["lengths"], batch["starts"], key, anchors, gamma)
+def learning_rate(progress: float, peak: float, warmup: float = 0.03, floor: float = 0.1) -> float:
+    """Linear warmup over the first `warmup` of the run, then cosine decay to `floor` x peak at progress 1."""
+    if progress < warmup:
+        return peak * progress / warmup
+    t = min((progress - warmup) / max(1.0 - warmup, 1e-9), 1.0)
+    return float(peak * (floor + (1.0 - floor) * 0.5 * (1.0 + np.cos(np.pi * t))))
+
+
+def evaluate(drafter_def, params, target_def, target_params, batch, anchors: int, gamma: float, seed: int = 0,
+             compute_dtype=None):
+    """Loss and stats on a batch at fixed anchors (no update); tapped states computed when the batch has none."""
+    return _eval(drafter_def, params, target_def, target_params, batch, jax.random.key(seed), anchors, gamma,
+                 compute_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("drafter_def", "target_def", "anchors", "gamma", "compute_dtype"))
+def _eval(drafter_def, params, target_def, target_params, batch, key, anchors, gamma, compute_dtype):
+    target = models.merge(target_def, target_params)
+    drafter = models.merge(drafter_def, params if compute_dtype is None else cast(params, compute_dtype))
+    feats = batch.get("feats")
+    if feats is None:
+        feats = taps_of(target, batch["tokens"], drafter.config.target_layer_ids)
+    return block_loss(drafter, target, feats, batch["tokens"], batch["lengths"], batch["starts"], key, anchors, gamma)

@@ -260,3 +260,20 @@ def test_snapshot_copies_update_the_pool_and_the_lanes_in_place():
     assert saved.alias_size_in_bytes == size(pool) and saved.temp_size_in_bytes < one
     restored = snapshots.restore.lower(cache, pool, i32, i32).compile().memory_analysis()
     assert restored.alias_size_in_bytes == size(cache) and restored.temp_size_in_bytes < one
+
+
+def test_with_one_snapshot_slot_a_resume_falls_back_to_a_shallower_boundary_and_stays_exact(built):
+    """Snapshot slots scarcer than grid boundaries: turn 1 keeps its first boundary's snapshot only, so turn 2
+    resumes there (a shallower point than its cached pages allow); once another prompt takes the slot, the same turn
+    resumes nowhere. Every reply equals a cold engine's."""
+    target = _model(built, "dense")
+    conv = _conversations(8)[1]  # sampled
+    engine = _engine(target)  # the shapes and facts of the dense case above (no new compile)
+    del engine.prefix.free_slots[1:]  # the bookkeeping hands out one of the pool's slots
+    (turn2,) = _turn2(engine, [conv])
+    cold = _engine(target).run([Request(turn2, max_tokens=8, **conv["params"])])[0]
+    resumed = engine.run([Request(turn2, max_tokens=8, **conv["params"])])[0]
+    assert resumed.cached_tokens == CHUNK and resumed.token_sha256 == cold.token_sha256
+    engine.run([Request(_words(77, 2 * CHUNK + 3), max_tokens=2)])  # its boundary takes the only slot
+    again = engine.run([Request(turn2, max_tokens=8, **conv["params"])])[0]
+    assert again.cached_tokens == 0 and again.token_sha256 == cold.token_sha256

@@ -6,8 +6,8 @@
 Each turn's prompt is the chat so far (earlier messages and replies) plus a new user message. A turn's time to
 first token is a one-token generation of that prompt (the prefill and the first sample); the reply itself is
 generated after it, `--reply` tokens with EOS ignored, and becomes the next turn's history. Per run the cache
-starts empty; the first run of each engine only compiles. Every reply's token_sha256 with the cache on is
-compared with the cache off (resumed == fresh). `--random-weights BITS` follows bench_generate.py (random MLX
+starts empty; the first run of each engine only compiles, then runs alternate between the engines. Every reply's
+token_sha256 with the cache on is compared with the cache off (resumed == fresh). `--random-weights BITS` follows bench_generate.py (random MLX
 weights of `--model`'s geometry, or of `--geometry NAME`'s with `--model`'s tokenizer); with random weights the
 turns are built in token space (prompt + reply ids + the next message's ids), since random replies are no text.
 """
@@ -15,6 +15,7 @@ turns are built in token space (prompt + reply ids + the next message's ids), si
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -104,12 +105,15 @@ def main():
           + (f", random {args.random_weights}-bit weights" if args.random_weights is not None else "")
           + f"; {args.turns} turns, {args.reply}-token replies, prefill chunk {engines['on'].engine.runner.chunk}, "
           f"median (min-max) of {args.runs} runs")
-    runs = {}
-    for name, llm in engines.items():
+    runs = {name: [] for name in engines}
+    for llm in engines.values():
         conversation(llm, args.turns, args.reply, token_space)  # compiles every chunk count the runs meet
-        runs[name] = [conversation(llm, args.turns, args.reply, token_space) for _ in range(args.runs)]
-    single = [ttft(engines["off"], engines["off"].encode([{"role": "user", "content": MESSAGES[0]}]))[0]
-              for _ in range(args.runs)]
+    one_message = engines["off"].encode([{"role": "user", "content": MESSAGES[0]}])
+    single = []
+    for _ in range(args.runs):  # on and off alternate, so a change in the machine's load hits both alike
+        for name, llm in engines.items():
+            runs[name].append(conversation(llm, args.turns, args.reply, token_space))
+        single.append(ttft(engines["off"], one_message)[0])
     print("| turn | prompt tokens | cached (skipped) | TTFT off, ms | TTFT on, ms | on / one message | "
           "reply hash on == off |")
     print("|---|---|---|---|---|---|---|")
@@ -121,8 +125,8 @@ def main():
         same = sum(a[t][3] == b[t][3] for a, b in zip(runs["on"], runs["off"], strict=True))
         print(f"| {t + 1} | {n} | {cached} | {spread(off)} | {spread(on)} | {statistics.median(on) / one:.2f} | "
               f"{same}/{args.runs} |")
-    print(f"one-message request ({len(engines['off'].encode([{'role': 'user', 'content': MESSAGES[0]}]))} tokens): "
-          f"TTFT {spread(single)} ms")
+    print(f"one-message request ({len(one_message)} tokens): TTFT {spread(single)} ms; load average "
+          f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}")
     stats = engines["on"].engine.prefix_stats
     print(f"cache on, all runs: {stats.hits}/{stats.lookups} lookups hit, {stats.cached_tokens} of "
           f"{stats.prompt_tokens} prompt tokens skipped, {stats.evictions} pages evicted")

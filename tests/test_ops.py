@@ -122,3 +122,24 @@ def test_a_forward_traces_with_its_models_kernels_whatever_is_active_around_it()
         jaxpr = jax.make_jaxpr(lambda t: model(t, jnp.array([0]), jnp.array([2]), cache, ROWS)[0])(tokens)
     assert "pallas_call" not in str(jaxpr)
     assert ops.active() == ops.Kernels.default()  # the scope ended with the trace
+
+
+@pytest.mark.parametrize("layout", ["mlx", "pairs"])
+def test_a_prompt_products_dequantization_waits_for_its_input(layout):
+    """XLA's dequantize-then-dot reads the packed weight only through a barrier with x: a weight depends on
+    parameters alone, so without it the GPU scheduler may dequantize every layer's weights before the first layer
+    runs (a 30 GiB temp for a dense27 prompt chunk, issue 28)."""
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.standard_normal((64, 256)), jnp.bfloat16)  # K: one pair-layout tile
+    qw, s, b = quant.quantize(w, bits=4, group_size=64)
+    if layout == "pairs":
+        qw, s, b = quant.to_pair_layout(qw, s, b, 4, 64)
+    x = jnp.asarray(rng.standard_normal((256, 256)), jnp.bfloat16)  # a prompt chunk's rows: XLA's path
+    with ops.using(ops.PALLAS):
+        assert ops.qmatmul_path(64, 256, bits=4, group_size=64, layout=layout, packed=False, row_count=256,
+                                rows=False) == "reference"
+        jaxpr = jax.make_jaxpr(lambda x_, w_: ops.qmatmul(x_, w_, s, b, bits=4, group_size=64, layout=layout))(x, qw)
+    x_var, w_var = jaxpr.jaxpr.invars
+    readers = [e for e in jaxpr.jaxpr.eqns if w_var in e.invars]
+    assert [e.primitive.name for e in readers] == ["optimization_barrier"]
+    assert x_var in readers[0].invars

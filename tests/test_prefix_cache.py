@@ -239,3 +239,41 @@ def test_the_reply_usage_reports_cached_prompt_tokens():
 
     u = usage([Result(0, 40, [5, 6, 7], "stop", 2, 0, cached_tokens=32)])  # one result a choice
     assert u["prompt_tokens"] == 40 and u["prompt_tokens_details"] == {"cached_tokens": 32}
+
+
+def test_snapshot_copies_update_the_pool_and_the_lanes_in_place():
+    """The snapshot pool is most of the budget (a dense27 snapshot is 147 MiB): save and restore write into the
+    donated pool or cache, with no temp as large as one snapshot (compiled from shapes, nothing allocated)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from tfjax.lanes import snapshots
+
+    model = nnx.eval_shape(lambda: models.build(geometry.tiny_dense))
+    cache = jax.eval_shape(lambda: model.init_cache(LANES.capacity, LANES.context, LANES.page_size))
+    pool = jax.eval_shape(lambda: snapshots.empty_pool(model.init_cache(1, LANES.context, LANES.page_size), 64))
+    size = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
+    one = size(pool) // 64
+    i32 = jax.ShapeDtypeStruct((), jnp.int32)
+    saved = snapshots.save.lower(pool, cache, i32, i32).compile().memory_analysis()
+    assert saved.alias_size_in_bytes == size(pool) and saved.temp_size_in_bytes < one
+    restored = snapshots.restore.lower(cache, pool, i32, i32).compile().memory_analysis()
+    assert restored.alias_size_in_bytes == size(cache) and restored.temp_size_in_bytes < one
+
+
+def test_with_one_snapshot_slot_a_resume_falls_back_to_a_shallower_boundary_and_stays_exact(built):
+    """Snapshot slots scarcer than grid boundaries: turn 1 keeps its first boundary's snapshot only, so turn 2
+    resumes there (a shallower point than its cached pages allow); once another prompt takes the slot, the same turn
+    resumes nowhere. Every reply equals a cold engine's."""
+    target = _model(built, "dense")
+    conv = _conversations(8)[1]  # sampled
+    engine = _engine(target)  # the shapes and facts of the dense case above (no new compile)
+    del engine.prefix.free_slots[1:]  # the bookkeeping hands out one of the pool's slots
+    (turn2,) = _turn2(engine, [conv])
+    cold = _engine(target).run([Request(turn2, max_tokens=8, **conv["params"])])[0]
+    resumed = engine.run([Request(turn2, max_tokens=8, **conv["params"])])[0]
+    assert resumed.cached_tokens == CHUNK and resumed.token_sha256 == cold.token_sha256
+    engine.run([Request(_words(77, 2 * CHUNK + 3), max_tokens=2)])  # its boundary takes the only slot
+    again = engine.run([Request(turn2, max_tokens=8, **conv["params"])])[0]
+    assert again.cached_tokens == 0 and again.token_sha256 == cold.token_sha256

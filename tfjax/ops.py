@@ -309,6 +309,10 @@ def qmatmul(x: jax.Array, weight: jax.Array, scales: jax.Array, biases: jax.Arra
     if path == "mlx":
         y = qk.qmatmul(x.reshape(-1, k), weight, scales, biases, bits=bits, group_size=group_size)
         return done(y.reshape(*lead, y.shape[-1]))
+    # XLA's dequantize-then-dot. The barrier makes the dequantization wait for x, so a prompt's forward holds one
+    # product's bf16 weight at a time: unordered, the GPU scheduler may dequantize every layer's weights up front
+    # (they depend on parameters only): the suspect of a dense27 prompt chunk's 30 GiB temp (issue 28).
+    x, weight, scales, biases = jax.lax.optimization_barrier((x, weight, scales, biases))
     if layout in ("kernel", "pairs"):
         if biases is None:
             scales, biases = quant.unpack_scale_bias(scales)

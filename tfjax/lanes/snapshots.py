@@ -31,16 +31,21 @@ def slot_bytes(cache: Cache | None) -> int:
     return sum((l.conv.nbytes + l.state.nbytes) // l.conv.shape[0] for l in cache.layers if isinstance(l, DeltaState))
 
 
+def _put(dst: jax.Array, i: jax.Array, src: jax.Array, j: jax.Array) -> jax.Array:
+    """dst with row i replaced by src's row j: a dynamic-update-slice, in place in a donated dst."""
+    return jax.lax.dynamic_update_index_in_dim(dst, jax.lax.dynamic_index_in_dim(src, j, keepdims=True), i, 0)
+
+
 @functools.partial(jax.jit, donate_argnames=("pool",))
 def save(pool: list, cache: Cache, lane: jax.Array, slot: jax.Array) -> list:
-    """Copy `lane`'s DeltaNet state into snapshot `slot`."""
-    return [None if p is None else DeltaState(p.conv.at[slot].set(l.conv[lane]), p.state.at[slot].set(l.state[lane]))
+    """Copy `lane`'s DeltaNet state into snapshot `slot` (the pool is updated in place: it is the budget's bulk)."""
+    return [None if p is None else DeltaState(_put(p.conv, slot, l.conv, lane), _put(p.state, slot, l.state, lane))
             for p, l in zip(pool, cache.layers, strict=True)]
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
 def restore(cache: Cache, pool: list, lane: jax.Array, slot: jax.Array) -> Cache:
-    """Put snapshot `slot` into `lane`'s DeltaNet state."""
-    layers = [l if p is None else DeltaState(l.conv.at[lane].set(p.conv[slot]), l.state.at[lane].set(p.state[slot]))
+    """Put snapshot `slot` into `lane`'s DeltaNet state (the cache is updated in place)."""
+    layers = [l if p is None else DeltaState(_put(l.conv, lane, p.conv, slot), _put(l.state, lane, p.state, slot))
               for p, l in zip(pool, cache.layers, strict=True)]
     return Cache(layers, cache.page_table)

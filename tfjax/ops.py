@@ -138,8 +138,11 @@ def row_tiled(fn, x: jax.Array, tile: int | None = None) -> jax.Array:
 
 def rowwise(fn, x: jax.Array, rows: bool) -> jax.Array:
     """fn over the last axis; with `rows` or under a mesh, in fixed row tiles (reductions never see M, nor how many
-    heads a device holds)."""
-    return fenced.rowwise(fn, x, rows or active_mesh() is not None, gpu=_gpu())
+    heads a device holds: under a mesh the rows are gathered whole first, so XLA's partitioner never splits a tile)."""
+    mesh = active_mesh()
+    if mesh is not None:
+        x = jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    return fenced.rowwise(fn, x, rows or mesh is not None, gpu=_gpu())
 
 
 def per_head(fn, args: list, axes: list, out_axes: list):

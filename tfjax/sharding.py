@@ -27,7 +27,8 @@ from tfjax.config import ModelConfig
 MODEL, DATA = ops.MODEL_AXIS, "data"
 MAX_TP = 8  # the largest degree served: a row-parallel product's partial count (fixed: never the degree itself)
 
-COLUMN = ("q_proj", "gate_proj", "up_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "lm_head")
+COLUMN = ("q_proj", "gate_proj", "up_proj", "in_proj_qkv", "in_proj_z", "lm_head")
+WHOLE = ("in_proj_b", "in_proj_a")  # one column per DeltaNet head: every device computes them (see `plan`)
 KV = ("k_proj", "v_proj")
 ROW = ("o_proj", "down_proj", "out_proj")
 
@@ -77,7 +78,9 @@ def check(config: ModelConfig, tp: int) -> None:
 
 
 def _names(path) -> tuple[str, ...]:
-    return tuple(str(getattr(k, "key", k)) for k in path)
+    """A state leaf's module path and parameter name (the Variable's own `.value` step dropped)."""
+    names = tuple(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+    return tuple(n for n in names if n not in (".value", "value"))
 
 
 def param_spec(path: tuple[str, ...], shape: tuple[int, ...], config: ModelConfig, tp: int) -> P:
@@ -94,8 +97,6 @@ def param_spec(path: tuple[str, ...], shape: tuple[int, ...], config: ModelConfi
         return P(MODEL) if leaf == "bias" else P(MODEL, None)
     if owner in ROW:
         return P() if leaf == "bias" else P(None, MODEL)
-    if leaf in ("dt_bias", "A_log"):  # per DeltaNet value head
-        return P(MODEL)
     if path[-2:] == ("conv1d", "weight"):  # [C, K] per channel, like in_proj_qkv's columns
         return P(MODEL, None)
     return P()
@@ -121,9 +122,12 @@ def plan(model: nnx.Module, mesh: Mesh) -> None:
             if m.parts % tp:
                 raise MeshError(f"{where}: K={k} splits into only {m.parts} chunks of whole groups ({group}), "
                                 f"which tp={tp} does not divide: pick a smaller tp")
-        elif owner in COLUMN or owner in KV or owner == "embed_tokens":
+        elif owner in COLUMN or owner in KV or owner in WHOLE or owner == "embed_tokens":
+            # DeltaNet's gates (b, a) stay whole: their exp/softplus on a device's few columns took XLA's other
+            # (scalar) code path and rounded differently at TP=4
             out = m.weight.shape[0]
-            whole = (owner in KV and c.num_key_value_heads % tp) or (owner == "embed_tokens" and out % tp)
+            whole = (owner in WHOLE or (owner in KV and c.num_key_value_heads % tp)
+                     or (owner == "embed_tokens" and out % tp))
             m.split, m.parts = ("blocks" if whole else "column"), parts_for(out)
             if not whole and m.parts % tp:
                 raise MeshError(f"{where}: {out} output columns split into only {m.parts} fixed blocks, which "
@@ -197,3 +201,13 @@ def bytes_per_device(model: nnx.Module) -> dict:
         for s in leaf.addressable_shards:
             out[s.device] = out.get(s.device, 0) + s.data.nbytes
     return out
+
+
+def initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,
+                           process_id: int | None = None) -> None:
+    """Join a multi-host run (`jax.distributed.initialize`) before any device is touched; with no arguments JAX
+    reads its own environment (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID) or the cluster's
+    (SLURM, ...). Then `make_mesh` sees every host's devices (docs/tensor_parallel.md)."""
+    if (num_processes is None) != (process_id is None):
+        raise MeshError("give both num_processes and process_id, or neither (JAX reads them from the environment)")
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)

@@ -1,0 +1,178 @@
+"""Tensor parallelism is exact across degree: TP=1, 2, 4 (and TP=2 x DP=2) give the same logits bit for bit and the
+same token_sha256; each device holds 1/N of every sharded parameter; bad meshes are clear errors.
+
+The cases run in a subprocess with 8 simulated CPU devices (`XLA_FLAGS` must be set before jax is imported):
+`python tests/test_tensor_parallel.py CASE` prints one JSON line that the tests read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, tie_word_embeddings=True,
+             dtype="float32")
+
+
+def _worker(case: str, *args: str) -> dict:
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+    run = subprocess.run([sys.executable, __file__, case, *args], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=1200)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+# --- the worker side (8 simulated devices) ---
+
+
+def _config(name: str):
+    from tfjax import geometry
+    from tfjax.config import ModelConfig
+
+    if name == "llama":
+        return ModelConfig.from_dict(LLAMA)
+    layers = ("linear_attention", "full_attention")
+    return getattr(geometry, name).replace(num_hidden_layers=2, layer_types=layers)
+
+
+def _model(name: str, tp: int | None, dp: int = 1):
+    from tfjax import models, sharding
+
+    m = models.build(_config(name), seed=5)
+    if tp is not None:
+        sharding.shard_model(m, sharding.make_mesh(tp, dp))
+    return m
+
+
+def case_logits(name: str) -> dict:
+    """sha256 of prompt-then-step logits at each degree, and the shard checks at TP=2 and 4."""
+    import jax
+    import numpy as np
+    from helpers import prefill_then_steps
+
+    from tfjax import sharding
+
+    tokens = np.random.default_rng(1).integers(0, 250, 10)
+    out, shards = {}, {}
+    for tp in (1, 2, 4):
+        m = _model(name, tp)
+        out[tp] = hashlib.sha256(prefill_then_steps(m, tokens, 7).tobytes()).hexdigest()
+        if tp > 1:
+            bad, sharded, full = [], 0, 0
+            from flax import nnx
+
+            placed = jax.tree.leaves_with_path(nnx.state(m))
+            for (path, leaf), s in zip(placed, jax.tree.leaves(sharding.shardings(m, m.mesh)), strict=True):
+                full += leaf.nbytes
+                spec = s.spec
+                if all(a is None for a in spec):
+                    continue
+                sharded += leaf.nbytes
+                want = tuple(d // tp if i < len(spec) and spec[i] == sharding.MODEL else d
+                             for i, d in enumerate(leaf.shape))
+                if {sh.data.shape for sh in leaf.addressable_shards} != {want}:
+                    bad.append(jax.tree_util.keystr(path))
+            per_device = sharding.bytes_per_device(m)
+            shards[tp] = dict(bad=bad, sharded=sharded, full=full,
+                              per_device=sorted(set(per_device.values())), devices=len(per_device))
+    return dict(hashes=out, shards=shards)
+
+
+def case_tokens(name: str) -> dict:
+    """token_sha256 per (degree, greedy/sampled, drafted/plain) through the engine's lane rounds."""
+    import numpy as np
+
+    from tfjax.engine import Engine, Request
+    from tfjax.lanes.config import LaneConfig
+
+    lanes = LaneConfig(capacity=2, width=4, context=96, page_size=16)
+    rng = np.random.default_rng(3)
+    span = rng.integers(0, 250, 8).tolist()
+    prompts = [rng.integers(0, 250, 12).tolist() + span + span, rng.integers(0, 250, 20).tolist()]
+    out = {}
+    for tp, dp in ((1, 1), (2, 1), (4, 1), (2, 2)):
+        engine = Engine(_model(name, tp, dp), lanes, eos_ids=())
+        for sampled in (False, True):
+            kw = dict(temperature=1.0, top_k=20, top_p=0.95, seed=7) if sampled else {}
+            for draft in (True, False):
+                rs = engine.run([Request(p, max_tokens=10, draft=draft, **kw) for p in prompts])
+                out[f"{tp}x{dp}/{'sampled' if sampled else 'greedy'}/{'drafted' if draft else 'plain'}"] = [
+                    r.token_sha256 for r in rs]
+    return out
+
+
+def case_errors() -> dict:
+    """The messages of bad meshes."""
+    from tfjax import sharding
+
+    msgs = {}
+    for key, fn in (("too_many", lambda: sharding.make_mesh(4, 4)), ("odd_tp", lambda: sharding.make_mesh(3)),
+                    ("heads", lambda: sharding.check(_config("tiny_dense"), 8)),
+                    ("mlp", lambda: sharding.check(_config("tiny_dense").replace(intermediate_size=102), 4))):
+        try:
+            fn()
+            msgs[key] = None
+        except sharding.MeshError as e:
+            msgs[key] = str(e)
+    return msgs
+
+
+# --- the tests ---
+
+
+@pytest.fixture(scope="module")
+def dense_logits():
+    return _worker("logits", "tiny_dense")
+
+
+def test_logits_are_bit_identical_at_tp_1_2_and_4(dense_logits):
+    hashes = dense_logits["hashes"]
+    assert hashes["2"] == hashes["1"] and hashes["4"] == hashes["1"], hashes
+
+
+@pytest.mark.parametrize("tp", ["2", "4"])
+def test_each_device_holds_one_nth_of_every_sharded_parameter(dense_logits, tp):
+    s = dense_logits["shards"][tp]
+    assert s["bad"] == [] and s["sharded"] > 0.9 * s["full"] and s["devices"] == int(tp), s
+    replicated = s["full"] - s["sharded"]
+    assert s["per_device"] == [s["sharded"] // int(tp) + replicated], s  # every device the same share
+
+
+def test_bad_meshes_are_clear_errors():
+    msgs = _worker("errors")
+    assert "tp=4 x dp=4 asks for 16 devices but 8" in msgs["too_many"]
+    assert "tp=3 is not a divisor of 8" in msgs["odd_tp"]
+    assert "num_attention_heads=4" in msgs["heads"] and "tp=8" in msgs["heads"]
+    assert "intermediate_size=102" in msgs["mlp"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tiny_moe", "llama"])
+def test_logits_are_bit_identical_across_degree_on_moe_and_llama(name):
+    hashes = _worker("logits", name)["hashes"]
+    assert hashes["2"] == hashes["1"] and hashes["4"] == hashes["1"], hashes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tiny_dense", "tiny_moe", "llama"])
+def test_token_sha256_is_the_same_at_every_degree_drafted_and_plain(name):
+    out = _worker("tokens", name)
+    for mode in ("greedy", "sampled"):
+        want = out[f"1x1/{mode}/plain"]
+        for key, got in out.items():
+            if f"/{mode}/" in key:
+                assert got == want, (key, got, want)
+
+
+if __name__ == "__main__":
+    case, *rest = sys.argv[1:]
+    print(json.dumps(globals()[f"case_{case}"](*rest)))

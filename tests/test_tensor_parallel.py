@@ -23,8 +23,9 @@ LLAMA = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_si
 
 
 def _worker(case: str, *args: str) -> dict:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+    if os.environ.get("TFJAX_TP_TEST_DEVICES") != "real":  # scripts/gpu_tp.sh runs them on the GPUs
+        env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     run = subprocess.run([sys.executable, __file__, case, *args], env=env, cwd=ROOT, capture_output=True, text=True,
                          timeout=1200)
     assert run.returncode == 0, run.stderr[-4000:]
@@ -110,6 +111,42 @@ def case_tokens(name: str) -> dict:
     return out
 
 
+def case_checkpoint(folder: str) -> dict:
+    """A Hugging Face folder and its 4-bit MLX conversion loaded straight into TP=2 shards: every shard the spec's
+    slice of the one-device load, every device the same share; and the same logits as a one-device load sharded
+    after the fact."""
+    import tempfile
+    from pathlib import Path
+
+    import jax
+    import numpy as np
+    from flax import nnx
+    from helpers import make_hf_checkpoint, prefill_then_steps
+
+    from tfjax import checkpoint, sharding
+
+    root = Path(tempfile.mkdtemp(dir=folder))
+    make_hf_checkpoint(_config("tiny_dense"), root / "hf", seed=2)
+    checkpoint.write_mlx(root / "hf", root / "q4", bits=4, group_size=16, progress=False)
+    out = {}
+    tokens = np.random.default_rng(4).integers(0, 250, 8)
+    for name in ("hf", "q4"):
+        mesh = sharding.make_mesh(2)
+        whole, _ = checkpoint.load(root / name, progress=False)
+        sharded, _ = checkpoint.load(root / name, progress=False, mesh=mesh)
+        bad = []
+        for (path, a), b in zip(jax.tree.leaves_with_path(nnx.state(whole)), jax.tree.leaves(nnx.state(sharded)),
+                                strict=True):
+            for sh in b.addressable_shards:
+                if not np.array_equal(np.asarray(a)[sh.index], np.asarray(sh.data)):
+                    bad.append(jax.tree_util.keystr(path))
+        later = sharding.shard_model(whole, mesh)
+        same = np.array_equal(prefill_then_steps(sharded, tokens, 6), prefill_then_steps(later, tokens, 6))
+        out[name] = dict(bad=bad, same_logits=bool(same), per_device=sorted(set(
+            sharding.bytes_per_device(sharded).values())), quantized=sharded.config.quantization is not None)
+    return out
+
+
 def case_errors() -> dict:
     """The messages of bad meshes."""
     from tfjax import sharding
@@ -153,6 +190,14 @@ def test_bad_meshes_are_clear_errors():
     assert "tp=3 is not a divisor of 8" in msgs["odd_tp"]
     assert "num_attention_heads=4" in msgs["heads"] and "tp=8" in msgs["heads"]
     assert "intermediate_size=102" in msgs["mlp"]
+
+
+@pytest.mark.slow
+def test_checkpoints_load_straight_into_their_shards_dense_and_4bit(tmp_path):
+    out = _worker("checkpoint", str(tmp_path))
+    assert out["q4"]["quantized"] and not out["hf"]["quantized"]
+    for name in ("hf", "q4"):
+        assert out[name]["bad"] == [] and out[name]["same_logits"] and len(out[name]["per_device"]) == 1, out[name]
 
 
 @pytest.mark.slow

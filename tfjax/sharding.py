@@ -143,6 +143,17 @@ def shardings(model: nnx.Module, mesh: Mesh):
         lambda path, v: NamedSharding(mesh, param_spec(_names(path), tuple(v.shape), model.config, tp)), state)
 
 
+def placer(model: nnx.Module, mesh: Mesh):
+    """place(flat state key, array) -> the array in its shards (`checkpoint.load` with a mesh)."""
+    tp = mesh.shape[MODEL]
+
+    def place(key: tuple, value: jax.Array) -> jax.Array:
+        spec = param_spec(tuple(str(k) for k in key), tuple(value.shape), model.config, tp)
+        return jax.device_put(value, NamedSharding(mesh, spec))
+
+    return place
+
+
 def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
     """Plan the model for `mesh` and move every parameter into its shards, in place (returns the model)."""
     plan(model, mesh)

@@ -127,7 +127,7 @@ def case_checkpoint(folder: str) -> dict:
 
     root = Path(tempfile.mkdtemp(dir=folder))
     make_hf_checkpoint(_config("tiny_dense"), root / "hf", seed=2)
-    checkpoint.write_mlx(root / "hf", root / "q4", bits=4, group_size=16, progress=False)
+    checkpoint.write_mlx(root / "hf", root / "q4", bits=4, group_size=32, progress=False)
     out = {}
     tokens = np.random.default_rng(4).integers(0, 250, 8)
     for name in ("hf", "q4"):

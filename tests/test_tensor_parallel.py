@@ -192,6 +192,13 @@ def test_bad_meshes_are_clear_errors():
     assert "intermediate_size=102" in msgs["mlp"]
 
 
+def test_multi_host_entry_asks_for_both_process_count_and_id():
+    from tfjax import sharding
+
+    with pytest.raises(sharding.MeshError, match="both num_processes and process_id"):
+        sharding.initialize_distributed("localhost:1234", num_processes=2)
+
+
 @pytest.mark.slow
 def test_checkpoints_load_straight_into_their_shards_dense_and_4bit(tmp_path):
     out = _worker("checkpoint", str(tmp_path))

@@ -113,8 +113,8 @@ def case_tokens(name: str) -> dict:
 
 def case_checkpoint(folder: str) -> dict:
     """A Hugging Face folder and its 4-bit MLX conversion loaded straight into TP=2 shards: every shard the spec's
-    slice of the one-device load, every device the same share; and the same logits as a one-device load sharded
-    after the fact."""
+    slice of the one-device load, every device the same share; the same logits as a one-device load sharded after
+    the fact, and as a TP=1 load."""
     import tempfile
     from pathlib import Path
 
@@ -140,9 +140,12 @@ def case_checkpoint(folder: str) -> dict:
             for sh in b.addressable_shards:
                 if not np.array_equal(np.asarray(a)[sh.index], np.asarray(sh.data)):
                     bad.append(jax.tree_util.keystr(path))
+        one, _ = checkpoint.load(root / name, progress=False, mesh=sharding.make_mesh(1))
         later = sharding.shard_model(whole, mesh)
-        same = np.array_equal(prefill_then_steps(sharded, tokens, 6), prefill_then_steps(later, tokens, 6))
-        out[name] = dict(bad=bad, same_logits=bool(same), per_device=sorted(set(
+        logits = prefill_then_steps(sharded, tokens, 6)
+        same = np.array_equal(logits, prefill_then_steps(later, tokens, 6))
+        same_tp1 = np.array_equal(logits, prefill_then_steps(one, tokens, 6))
+        out[name] = dict(bad=bad, same_logits=bool(same), same_as_tp1=bool(same_tp1), per_device=sorted(set(
             sharding.bytes_per_device(sharded).values())), quantized=sharded.config.quantization is not None)
     return out
 
@@ -204,7 +207,8 @@ def test_checkpoints_load_straight_into_their_shards_dense_and_4bit(tmp_path):
     out = _worker("checkpoint", str(tmp_path))
     assert out["q4"]["quantized"] and not out["hf"]["quantized"]
     for name in ("hf", "q4"):
-        assert out[name]["bad"] == [] and out[name]["same_logits"] and len(out[name]["per_device"]) == 1, out[name]
+        o = out[name]
+        assert o["bad"] == [] and o["same_logits"] and o["same_as_tp1"] and len(o["per_device"]) == 1, o
 
 
 @pytest.mark.slow

@@ -107,7 +107,6 @@ class Linear(nnx.Module):
         return ops.qmatmul(x, self.weight[...], self.scales[...], biases, bits=bits, group_size=group, rows=rows,
                            layout=self.layout, parts=True)
 
-
     def _weights(self) -> list[jax.Array]:
         if self.layout != "mlx":
             raise ValueError(f"a tensor-parallel Linear needs the MLX layout (chunks in order), got {self.layout!r}")

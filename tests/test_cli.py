@@ -67,6 +67,34 @@ def test_top_p_outside_zero_one_is_refused(capsys):
     assert code == 2 and "--top-p" in err and "[0, 1]" in err
 
 
+@pytest.mark.parametrize("argv,says", [
+    (["generate", "smollm2", "hi", "--tp", "3"], "tp=3 is not a divisor of 8"),
+    (["serve", "smollm2", "--tp", "4", "--dp", "4"], "tp=4 x dp=4 asks for 16 devices"),
+    (["serve", "smollm2", "--dp", "3", "--parallel", "4"], "dp=3 does not divide the 4 lanes"),
+])
+def test_a_mesh_the_machine_cannot_take_is_one_line_before_loading(capsys, monkeypatch, argv, says):
+    monkeypatch.setattr(api, "resolve", lambda *a, **k: pytest.fail("resolved a model for a bad mesh"))
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and says in one_clear_line(err), err
+
+
+@pytest.mark.parametrize("value", ["0", "two"])
+def test_tp_below_one_is_refused_by_the_parser(capsys, value):
+    code, _, err = run(capsys, "generate", "no-such-model", "hi", "--tp", value)
+    assert code == 2 and "--tp" in err and "at least 1" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv,want", [(["generate", "m", "hi", "--tp", "2"], (2, 1)),
+                                       (["chat", "m", "--tp", "4"], (4, 1)),
+                                       (["serve", "m", "--tp", "2", "--dp", "2"], (2, 2)),
+                                       (["serve", "m"], (None, 1))])
+def test_tp_and_dp_reach_tfjax_load_under_the_same_names(monkeypatch, argv, want):
+    seen = {}
+    monkeypatch.setattr(api, "load", lambda model, **kw: seen.update(kw))
+    cli._load(cli.parser().parse_args(argv), lanes=4)
+    assert (seen["tp"], seen["dp"]) == want
+
+
 def test_convert_of_a_file_that_is_not_gguf_fails_and_writes_nothing(capsys, tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text("# not a model\n")

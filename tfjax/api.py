@@ -64,7 +64,7 @@ class LLM:
                  model=None, prefix_cache_gb: float = PREFIX_CACHE_GB, tp: int | None = None, dp: int = 1):
         self.path = path
         # tp: tensor parallel over a (data=dp, model=tp) mesh, exact across tp (`tfjax.sharding`); None: one device
-        mesh = None if tp is None and dp == 1 else sharding.make_mesh(tp or 1, dp)
+        mesh = sharding.serving_mesh(tp, dp, lanes)
         # `model`: an already built (module, config) for this folder's tokenizer, e.g. random weights for timing
         self.model, self.config = model if model is not None else checkpoint.load(path, dtype=dtype, progress=True,
                                                                                   mesh=mesh)
@@ -81,12 +81,16 @@ class LLM:
                 draft_model, _ = checkpoint.load(draft_path, dtype=dtype, progress=True)
         kernels = ops.Kernels.default()  # the GPU's kernels, else the references: static, in each model's graphdef
         for m in (self.model, draft_model):
-            if m is not None:
-                m.kernels = kernels
-                if mesh is not None:  # fixed blocks and chunks in the MLX layout (no fusion, no repack)
-                    sharding.shard_model(m, mesh)
-                elif kernels.pallas:  # the GPU serving layout, once here: fused projections, kernel packing
-                    serving_layout(m)
+            if m is None:
+                continue
+            m.kernels = kernels
+            if mesh is not None and m is self.model:  # fixed blocks and chunks in the MLX layout (no fusion, no repack)
+                sharding.shard_model(m, mesh)
+                continue
+            if kernels.pallas:  # the GPU serving layout, once here: fused projections, kernel packing
+                serving_layout(m)
+            if mesh is not None:  # a drafter stays whole on every device: its proposals never change the tokens
+                sharding.replicate(m, mesh)
         self.lanes = LaneConfig(capacity=lanes, width=width, context=context)
         eos = tuple(self.tokenizer.eos_ids) or self.config.eos_token_id
         self.grammars = grammar.Grammars(self.tokenizer, eos, self.config.vocab_size)  # response_format
@@ -156,4 +160,5 @@ def load(name_or_path: str | Path, **kw) -> LLM:
     from tfjax import compile_cache
 
     compile_cache.enable()
+    sharding.serving_mesh(kw.get("tp"), kw.get("dp", 1), kw.get("lanes", 4))  # a bad mesh is refused before a download
     return LLM(resolve(name_or_path, weights=kw.get("model") is None), **kw)  # `model`: weights already built

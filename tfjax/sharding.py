@@ -52,6 +52,17 @@ def make_mesh(tp: int = 1, dp: int = 1, devices: list | None = None) -> Mesh:
     return Mesh(np.array(devices[: tp * dp]).reshape(dp, tp), (DATA, MODEL))
 
 
+def serving_mesh(tp: int | None, dp: int, lanes: int) -> Mesh | None:
+    """`tfjax.load`'s mesh: None without tp or dp (one device, the single-product path), else `make_mesh` with `dp`
+    dividing the lanes."""
+    if tp is None and dp == 1:
+        return None
+    mesh = make_mesh(1 if tp is None else tp, dp)
+    if lanes % dp:
+        raise MeshError(f"dp={dp} does not divide the {lanes} lanes: pick lanes (--parallel) a multiple of dp")
+    return mesh
+
+
 def parts_for(k: int, group: int = 1) -> int:
     """The fixed partial count of a row-parallel product over K: `MAX_TP`, halved until the chunks are whole groups."""
     p = MAX_TP
@@ -167,42 +178,72 @@ def _lanes_spec(n: int, mesh: Mesh) -> P:
     return P(DATA) if n % mesh.shape[DATA] == 0 else P()
 
 
-def cache_specs(cache, mesh: Mesh):
+def cache_specs(cache, mesh: Mesh, heads: bool = True):
     """PartitionSpecs of a decoder `Cache`: KV pages by kv head (replicated where the degree does not divide them),
-    DeltaNet state by value head and lanes, conv tails and page tables by lanes."""
+    DeltaNet state by value head and lanes, conv tails and page tables by lanes; `heads=False` (a replicated
+    drafter's cache): lanes only."""
     from tfjax.models.decoder import Cache, DeltaState
     from tfjax.models.layers import KVPages
 
     tp = mesh.shape[MODEL]
+    split = lambda n: MODEL if heads and n % tp == 0 else None  # noqa: E731
     layers = []
     for layer in cache.layers:
         if isinstance(layer, DeltaState):
             lanes = _lanes_spec(layer.state.shape[0], mesh)
-            heads = MODEL if layer.state.shape[1] % tp == 0 else None
-            layers.append(DeltaState(P(*lanes), P(*lanes, heads)))
+            layers.append(DeltaState(P(*lanes), P(*lanes, split(layer.state.shape[1]))))
         else:
-            g = layer.k.shape[2]
-            spec = P(None, None, MODEL if g % tp == 0 else None)
+            spec = P(None, None, split(layer.k.shape[2]))
             layers.append(KVPages(spec, spec))
     return Cache(layers, _lanes_spec(cache.page_table.shape[0], mesh))
 
 
-def shard_cache(cache, mesh: Mesh):
+def shard_cache(cache, mesh: Mesh, heads: bool = True):
     """`cache` placed by `cache_specs`."""
-    return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), cache, cache_specs(cache, mesh))
+    specs = cache_specs(cache, mesh, heads)
+    return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), cache, specs)
 
 
-def shard_lane_state(state, mesh: Mesh):
-    """A `LaneState` with its caches placed (`shard_cache`) and every per-lane array split over `data`."""
+def shard_lane_state(state, mesh: Mesh, draft_heads: bool = True):
+    """A `LaneState` with its caches placed (`shard_cache`; the drafter's by head only if it is sharded itself,
+    `draft_heads`), the grammar table whole on every device, and every per-lane array split over `data`."""
     fields = {}
     for f in dataclasses.fields(state):
         v = getattr(state, f.name)
         if f.name in ("cache", "draft_cache") and v is not None and hasattr(v, "page_table"):
-            fields[f.name] = shard_cache(v, mesh)
+            fields[f.name] = shard_cache(v, mesh, heads=f.name == "cache" or draft_heads)
+        elif f.name == "grammar":  # a table of grammar states, not per lane
+            fields[f.name] = None if v is None else jax.device_put(v, NamedSharding(mesh, P()))
         else:
             fields[f.name] = jax.tree.map(
                 lambda a: jax.device_put(a, NamedSharding(mesh, _lanes_spec(a.shape[0], mesh) if a.ndim else P())), v)
     return dataclasses.replace(state, **fields)
+
+
+def replicate(model: nnx.Module, mesh: Mesh) -> nnx.Module:
+    """Every parameter of `model` whole on every device of `mesh`, in place (a drafter beside a sharded target: its
+    proposals never change the tokens, only how many are accepted)."""
+    nnx.update(model, jax.tree.map(lambda v: jax.device_put(v, NamedSharding(mesh, P())), nnx.state(model)))
+    return model
+
+
+def shard_pool(pool, mesh: Mesh):
+    """A prefix-cache snapshot pool (`lanes.snapshots`, None or a list aligned with a cache's layers) placed like its
+    cache: DeltaNet state by value head, slots and conv tails whole on every device."""
+    from tfjax.models.decoder import DeltaState
+
+    if pool is None:
+        return None
+    tp = mesh.shape[MODEL]
+    out = []
+    for p in pool:
+        if p is None:
+            out.append(None)
+            continue
+        heads = MODEL if p.state.shape[1] % tp == 0 else None
+        out.append(DeltaState(jax.device_put(p.conv, NamedSharding(mesh, P())),
+                              jax.device_put(p.state, NamedSharding(mesh, P(None, heads)))))
+    return out
 
 
 def bytes_per_device(model: nnx.Module) -> dict:

@@ -58,7 +58,8 @@ class Runner:
         if getattr(target, "mesh", None) is not None:  # tensor parallel: caches by head, lanes over `data`
             from tfjax import sharding
 
-            self.state = sharding.shard_lane_state(self.state, target.mesh)
+            sharded_drafter = getattr(drafter, "mesh", None) is not None
+            self.state = sharding.shard_lane_state(self.state, target.mesh, draft_heads=sharded_drafter)
             self.pools = [sharding.shard_pool(p, target.mesh) for p in self.pools]
         self.grammars.clear()
         self.constrained.clear()

@@ -88,8 +88,20 @@ def case_logits(name: str) -> dict:
     return dict(hashes=out, shards=shards)
 
 
-def case_tokens(name: str) -> dict:
-    """token_sha256 per (degree, greedy/sampled, drafted/plain) through the engine's lane rounds."""
+def _alternating_grammar(vocab: int):
+    """A hand-built token grammar: even ids, then odd ids, and so on (a mask that changes every token)."""
+    import numpy as np
+
+    from tfjax.grammar import TokenGrammar
+
+    table = np.full((2, vocab), -1, np.int32)
+    table[0, 0::2], table[1, 1::2] = 1, 0
+    return TokenGrammar("even-odd", table, 0)
+
+
+def case_tokens(name: str, meshes: str = "1x1,2x1,4x1,2x2") -> dict:
+    """token_sha256 per (mesh, mode, drafted/plain) through the engine's lane rounds: greedy, sampled, penalties with
+    logit_bias and logprobs, a grammar mask, and a second turn resumed from the prefix cache."""
     import numpy as np
 
     from tfjax.engine import Engine, Request
@@ -99,15 +111,29 @@ def case_tokens(name: str) -> dict:
     rng = np.random.default_rng(3)
     span = rng.integers(0, 250, 8).tolist()
     prompts = [rng.integers(0, 250, 12).tolist() + span + span, rng.integers(0, 250, 20).tolist()]
+    new_words = rng.integers(0, 250, 9).tolist()
+    sampled = dict(temperature=1.0, top_k=20, top_p=0.95, seed=7)
+    modes = {"greedy": [{}, {}], "sampled": [sampled, sampled],
+             "processors": [dict(sampled, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2,
+                                 logit_bias={5: 3.0, 7: -100.0}, logprobs=True, top_logprobs=2),
+                            dict(grammar=_alternating_grammar(_config(name).vocab_size))]}
     out = {}
-    for tp, dp in ((1, 1), (2, 1), (4, 1), (2, 2)):
-        engine = Engine(_model(name, tp, dp), lanes, eos_ids=())
-        for sampled in (False, True):
-            kw = dict(temperature=1.0, top_k=20, top_p=0.95, seed=7) if sampled else {}
+    for mesh in meshes.split(","):
+        tp, dp = map(int, mesh.split("x"))
+        engine = Engine(_model(name, tp, dp), lanes, eos_ids=(), prefix_cache_gb=0.0001, prefill_chunk=16)
+        for mode, params in modes.items():
             for draft in (True, False):
-                rs = engine.run([Request(p, max_tokens=10, draft=draft, **kw) for p in prompts])
-                out[f"{tp}x{dp}/{'sampled' if sampled else 'greedy'}/{'drafted' if draft else 'plain'}"] = [
-                    r.token_sha256 for r in rs]
+                rs = engine.run([Request(p, max_tokens=10, draft=draft, **kw) for p, kw in zip(prompts, params,
+                                                                                               strict=True)])
+                out[f"{mesh}/{mode}/{'drafted' if draft else 'plain'}"] = [
+                    r.token_sha256 + ("" if r.logprobs is None else hashlib.sha256(
+                        np.asarray(r.logprobs, np.float32).tobytes() + repr(r.top_logprobs).encode()).hexdigest())
+                    for r in rs]
+                if mode == "greedy" and draft:
+                    turn2 = [p + r.token_ids + new_words for p, r in zip(prompts, rs, strict=True)]
+        rs = engine.run([Request(p, max_tokens=10) for p in turn2])  # resumed from the prefix cache
+        out[f"{mesh}/resumed/drafted"] = [r.token_sha256 for r in rs]
+        out[f"{mesh}/cached"] = [r.cached_tokens for r in rs]
     return out
 
 
@@ -222,11 +248,12 @@ def test_logits_are_bit_identical_across_degree_on_moe_and_llama(name):
 @pytest.mark.parametrize("name", ["tiny_dense", "tiny_moe", "llama"])
 def test_token_sha256_is_the_same_at_every_degree_drafted_and_plain(name):
     out = _worker("tokens", name)
-    for mode in ("greedy", "sampled"):
-        want = out[f"1x1/{mode}/plain"]
+    for mode in ("greedy", "sampled", "processors", "resumed"):
+        want = out[f"1x1/{mode}/drafted"]
         for key, got in out.items():
             if f"/{mode}/" in key:
                 assert got == want, (key, got, want)
+    assert all(n > 0 for n in out["1x1/cached"]), out  # turn 2 did resume from the cache
 
 
 if __name__ == "__main__":

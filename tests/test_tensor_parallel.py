@@ -176,22 +176,6 @@ def case_checkpoint(folder: str) -> dict:
     return out
 
 
-def case_errors() -> dict:
-    """The messages of bad meshes."""
-    from tfjax import sharding
-
-    msgs = {}
-    for key, fn in (("too_many", lambda: sharding.make_mesh(4, 4)), ("odd_tp", lambda: sharding.make_mesh(3)),
-                    ("heads", lambda: sharding.check(_config("tiny_dense"), 8)),
-                    ("mlp", lambda: sharding.check(_config("tiny_dense").replace(intermediate_size=102), 4))):
-        try:
-            fn()
-            msgs[key] = None
-        except sharding.MeshError as e:
-            msgs[key] = str(e)
-    return msgs
-
-
 # --- the tests ---
 
 
@@ -213,12 +197,30 @@ def test_each_device_holds_one_nth_of_every_sharded_parameter(dense_logits, tp):
     assert s["per_device"] == [s["sharded"] // int(tp) + replicated], s  # every device the same share
 
 
-def test_bad_meshes_are_clear_errors():
-    msgs = _worker("errors")
-    assert "tp=4 x dp=4 asks for 16 devices but 8" in msgs["too_many"]
-    assert "tp=3 is not a divisor of 8" in msgs["odd_tp"]
-    assert "num_attention_heads=4" in msgs["heads"] and "tp=8" in msgs["heads"]
-    assert "intermediate_size=102" in msgs["mlp"]
+@pytest.mark.parametrize("make,says", [
+    (lambda s, n: s.make_mesh(4, 4), lambda n: f"tp=4 x dp=4 asks for 16 devices but {n} cpu device(s)"),
+    (lambda s, n: s.make_mesh(3), lambda n: "tp=3 is not a divisor of 8"),
+    (lambda s, n: s.make_mesh(0), lambda n: "tp must be a positive integer, got 0"),
+    (lambda s, n: s.serving_mesh(2, 2, lanes=3), lambda n: "dp=2 does not divide the 3 lanes"),
+    (lambda s, n: s.check(_config("tiny_dense"), 8), lambda n: "tp=8 does not divide the model's num_attention_heads=4"),
+    (lambda s, n: s.check(_config("tiny_dense").replace(intermediate_size=102), 4), lambda n: "intermediate_size=102"),
+    (lambda s, n: s.check(_config("tiny_moe").replace(moe_intermediate_size=30), 4),
+     lambda n: "moe_intermediate_size=30"),
+    (lambda s, n: s.check(_config("tiny_dense").replace(num_attention_heads=8, linear_num_value_heads=2), 4),
+     lambda n: "linear_num_value_heads=2"),
+], ids=["more_devices_than_present", "tp_not_dividing_8", "tp_zero", "dp_not_dividing_lanes", "attention_heads",
+        "mlp_width", "moe_width", "deltanet_heads"])
+def test_bad_meshes_are_clear_errors(make, says):
+    import jax
+
+    from tfjax import sharding
+
+    n = len(jax.devices())
+    if n >= 16:
+        pytest.skip("16 devices present")
+    with pytest.raises(sharding.MeshError) as e:
+        make(sharding, n)
+    assert says(n) in str(e.value)
 
 
 def test_multi_host_entry_asks_for_both_process_count_and_id():

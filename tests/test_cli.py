@@ -25,7 +25,8 @@ def run(capsys, *argv) -> tuple[int, str, str]:
 def one_clear_line(err: str) -> str:
     """The error line (after any progress bars, which redraw with carriage returns), the only one."""
     assert "Traceback" not in err
-    lines = [line for line in err.splitlines() if line.strip() and "it/s]" not in line and "tensor/s]" not in line]
+    bars = ("it/s]", "tensor/s]", "s/it]", "s/tensor]")  # a slow load's bar reads "1.31s/tensor]"
+    lines = [line for line in err.splitlines() if line.strip() and not any(b in line for b in bars)]
     assert len(lines) == 1 and lines[0].startswith("tfjax "), err
     return lines[0]
 
@@ -65,6 +66,34 @@ def test_max_tokens_below_one_is_refused_before_loading(capsys, value):
 def test_top_p_outside_zero_one_is_refused(capsys):
     code, _, err = run(capsys, "generate", "smollm2", "hi", "--top-p", "1.5")
     assert code == 2 and "--top-p" in err and "[0, 1]" in err
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["generate", "smollm2", "hi", "--tp", "3"], "tp=3 is not a divisor of 8"),
+    (["serve", "smollm2", "--tp", "4", "--dp", "4"], "tp=4 x dp=4 asks for 16 devices"),
+    (["serve", "smollm2", "--dp", "3", "--parallel", "4"], "dp=3 does not divide the 4 lanes"),
+])
+def test_a_mesh_the_machine_cannot_take_is_one_line_before_loading(capsys, monkeypatch, argv, says):
+    monkeypatch.setattr(api, "resolve", lambda *a, **k: pytest.fail("resolved a model for a bad mesh"))
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and says in one_clear_line(err), err
+
+
+@pytest.mark.parametrize("value", ["0", "two"])
+def test_tp_below_one_is_refused_by_the_parser(capsys, value):
+    code, _, err = run(capsys, "generate", "no-such-model", "hi", "--tp", value)
+    assert code == 2 and "--tp" in err and "at least 1" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv,want", [(["generate", "m", "hi", "--tp", "2"], (2, 1)),
+                                       (["chat", "m", "--tp", "4"], (4, 1)),
+                                       (["serve", "m", "--tp", "2", "--dp", "2"], (2, 2)),
+                                       (["serve", "m"], (None, 1))])
+def test_tp_and_dp_reach_tfjax_load_under_the_same_names(monkeypatch, argv, want):
+    seen = {}
+    monkeypatch.setattr(api, "load", lambda model, **kw: seen.update(kw))
+    cli._load(cli.parser().parse_args(argv), lanes=4)
+    assert (seen["tp"], seen["dp"]) == want
 
 
 def test_convert_of_a_file_that_is_not_gguf_fails_and_writes_nothing(capsys, tmp_path):

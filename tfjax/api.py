@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from tfjax import checkpoint, grammar, ops
+from tfjax import checkpoint, grammar, ops, sharding
 from tfjax.engine import Engine, Request, Result
 from tfjax.lanes.config import LaneConfig
 from tfjax.lanes.drafter import RoundFacts
@@ -61,10 +61,13 @@ class LLM:
 
     def __init__(self, path: Path, *, drafter: str | Path | None = None, lanes: int = 4, width: int = 8,
                  context: int = 2048, copy_match: int = 0, copies: bool = True, dtype: str | None = None,
-                 model=None, prefix_cache_gb: float = PREFIX_CACHE_GB):
+                 model=None, prefix_cache_gb: float = PREFIX_CACHE_GB, tp: int | None = None, dp: int = 1):
         self.path = path
+        # tp: tensor parallel over a (data=dp, model=tp) mesh, exact across tp (`tfjax.sharding`); None: one device
+        mesh = sharding.serving_mesh(tp, dp, lanes)
         # `model`: an already built (module, config) for this folder's tokenizer, e.g. random weights for timing
-        self.model, self.config = model if model is not None else checkpoint.load(path, dtype=dtype, progress=True)
+        self.model, self.config = model if model is not None else checkpoint.load(path, dtype=dtype, progress=True,
+                                                                                  mesh=mesh)
         self.tokenizer = Tokenizer.from_dir(path)
         self.generation_defaults = generation_defaults(path)  # what a request that is silent on them gets
         draft_model = None
@@ -78,10 +81,16 @@ class LLM:
                 draft_model, _ = checkpoint.load(draft_path, dtype=dtype, progress=True)
         kernels = ops.Kernels.default()  # the GPU's kernels, else the references: static, in each model's graphdef
         for m in (self.model, draft_model):
-            if m is not None:
-                m.kernels = kernels
-                if kernels.pallas:  # the GPU serving layout, once here: fused projections, kernel packing
-                    serving_layout(m)
+            if m is None:
+                continue
+            m.kernels = kernels
+            if mesh is not None and m is self.model:  # fixed blocks and chunks in the MLX layout (no fusion, no repack)
+                sharding.shard_model(m, mesh)
+                continue
+            if kernels.pallas:  # the GPU serving layout, once here: fused projections, kernel packing
+                serving_layout(m)
+            if mesh is not None:  # a drafter stays whole on every device: its proposals never change the tokens
+                sharding.replicate(m, mesh)
         self.lanes = LaneConfig(capacity=lanes, width=width, context=context)
         eos = tuple(self.tokenizer.eos_ids) or self.config.eos_token_id
         self.grammars = grammar.Grammars(self.tokenizer, eos, self.config.vocab_size)  # response_format
@@ -156,4 +165,5 @@ def load(name_or_path: str | Path, **kw) -> LLM:
     from tfjax import compile_cache
 
     compile_cache.enable()
+    sharding.serving_mesh(kw.get("tp"), kw.get("dp", 1), kw.get("lanes", 4))  # a bad mesh is refused before a download
     return LLM(resolve(name_or_path, weights=kw.get("model") is None), **kw)  # `model`: weights already built

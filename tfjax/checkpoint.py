@@ -156,8 +156,10 @@ def _is_mlx_layout(shapes: dict[str, tuple[int, ...]]) -> bool:
     return any(k.endswith("conv1d.weight") and len(s) == 3 and s[-1] == 1 for k, s in shapes.items())
 
 
-def load(path: str | Path, *, dtype: str | None = None, progress: bool = True) -> tuple[nnx.Module, ModelConfig]:
-    """Build the model for a checkpoint folder and fill it tensor by tensor."""
+def load(path: str | Path, *, dtype: str | None = None, progress: bool = True,
+         mesh=None) -> tuple[nnx.Module, ModelConfig]:
+    """Build the model for a checkpoint folder and fill it tensor by tensor; with a `mesh` (`tfjax.sharding`) each
+    tensor goes into its shards as it is read (never the whole model on one device)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint folder {path} does not exist")
@@ -176,11 +178,17 @@ def load(path: str | Path, *, dtype: str | None = None, progress: bool = True) -
             yield from source.convert(raw_key, value)
         bar.close()
 
-    return fill(abstract, tensors(), f"{path}", leftovers=source.leftovers), config
+    place = None
+    if mesh is not None:
+        from tfjax import sharding
+
+        sharding.plan(abstract, mesh)
+        place = sharding.placer(abstract, mesh)
+    return fill(abstract, tensors(), f"{path}", leftovers=source.leftovers, place=place), config
 
 
 def fill(abstract: nnx.Module, tensors: Iterator[tuple[str, jax.Array]], where: str, *, key_of=param_key,
-         leftovers=lambda: []) -> nnx.Module:
+         leftovers=lambda: [], place=None) -> nnx.Module:
     """An abstract module's parameters filled from (key, tensor) pairs: every shape checked, none extra or missing."""
     graphdef, state = nnx.split(abstract)
     flat = dict(nnx.to_flat_state(state))
@@ -196,6 +204,8 @@ def fill(abstract: nnx.Module, tensors: Iterator[tuple[str, jax.Array]], where: 
             raise CheckpointError(f"tensor {key}: expected shape {tuple(target.shape)}, found {tuple(v.shape)} "
                                   f"(in {where})")
         filled[key] = v.astype(target.dtype) if v.dtype != target.dtype else v
+        if place is not None:  # into its shards now: the full tensor is dropped before the next one is read
+            filled[key] = place(wanted[key], filled[key])
     if extra:
         raise CheckpointError(f"unexpected tensors in {where}: {', '.join(sorted(extra)[:8])}"
                               + (f" and {len(extra) - 8} more" if len(extra) > 8 else ""))

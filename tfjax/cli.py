@@ -72,6 +72,9 @@ def _add_model(p: argparse.ArgumentParser, *, context: int = 2048) -> None:
     p.add_argument("--dtype", default=None, help="weights' dtype (bfloat16, float32); default: the checkpoint's")
     p.add_argument("--prefix-cache-gb", type=_non_negative(float), default=2.0,
                    help="device memory (GiB) for cached prompt prefixes beyond the lanes' own pages (0: off)")
+    p.add_argument("--tp", type=_positive, default=None,
+                   help="tensor parallel over this many devices, the same tokens at every degree (1, 2, 4 or 8; "
+                        "default: one device, today's single-product path)")
 
 
 def _add_sampling(p: argparse.ArgumentParser, *, max_tokens: int) -> None:
@@ -115,6 +118,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=_positive, default=8000, help="port to listen on")
     s.add_argument("--parallel", type=_positive, default=4, help="lanes: requests decoded at once")
     s.add_argument("--width", type=_positive, default=8, help="rows per lane per round (1 pending + proposals)")
+    s.add_argument("--dp", type=_positive, default=1,
+                   help="lanes split over this many groups of --tp devices (data parallel; must divide --parallel)")
     s.add_argument("--max-tokens", type=_positive, default=256, help="reply length when a request names none")
     s.add_argument("--queue", type=_non_negative(int), default=64,
                    help="requests that may wait for a lane; more get 429")
@@ -154,7 +159,8 @@ def _load(args, lanes: int, width: int = 8):
     from tfjax import api
 
     return api.load(args.model, drafter=_drafter(args), lanes=lanes, width=width, context=args.context,
-                    copy_match=args.copy_match, dtype=args.dtype, prefix_cache_gb=args.prefix_cache_gb)
+                    copy_match=args.copy_match, dtype=args.dtype, prefix_cache_gb=args.prefix_cache_gb,
+                    tp=args.tp, dp=getattr(args, "dp", 1))
 
 
 def _sampling(args) -> dict:

@@ -66,6 +66,8 @@ _FORCE = os.environ.get("TFJAX_KERNELS", "auto")
 REFERENCE = Kernels(pallas=False)
 PALLAS = Kernels(pallas=True)
 _ACTIVE: contextvars.ContextVar[Kernels | None] = contextvars.ContextVar("tfjax_kernels", default=None)
+_MESH: contextvars.ContextVar = contextvars.ContextVar("tfjax_mesh", default=None)
+MODEL_AXIS = "model"  # the mesh axis of tensor parallelism (`tfjax.sharding`)
 
 
 def active() -> Kernels:
@@ -84,6 +86,21 @@ def using(kernels: Kernels):
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+def active_mesh():
+    """The `jax.sharding.Mesh` of the forward being traced (`using_mesh`), None on one device."""
+    return _MESH.get()
+
+
+@contextlib.contextmanager
+def using_mesh(mesh):
+    """Make `mesh` (a model's static `mesh`, or None) the one its row-parallel products shard over."""
+    token = _MESH.set(mesh)
+    try:
+        yield
+    finally:
+        _MESH.reset(token)
 
 
 def own_kernels(method):
@@ -120,8 +137,44 @@ def row_tiled(fn, x: jax.Array, tile: int | None = None) -> jax.Array:
 
 
 def rowwise(fn, x: jax.Array, rows: bool) -> jax.Array:
-    """fn over the last axis; with `rows`, in fixed row tiles (reductions never see M)."""
-    return fenced.rowwise(fn, x, rows, gpu=_gpu())
+    """fn over the last axis; with `rows` or under a mesh, in fixed row tiles (reductions never see M, nor how many
+    heads a device holds: under a mesh the rows are gathered whole first, so XLA's partitioner never splits a tile)."""
+    mesh = active_mesh()
+    if mesh is not None:
+        x = jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    return fenced.rowwise(fn, x, rows or mesh is not None, gpu=_gpu())
+
+
+def per_head(fn, args: list, axes: list, out_axes: list):
+    """fn over one head at a time (each arg with a size-1 head axis at `axes[i]`; None: passed whole), a fenced loop
+    whose iteration is the same whatever the head count, so a head's arithmetic never depends on how many heads a
+    device holds (XLA's reductions round differently at other shapes). Under a mesh each device loops over its own
+    heads inside `shard_map` (no collective). Returns fn's outputs with their head axes at `out_axes`."""
+    mesh = active_mesh()
+    tp = 1 if mesh is None else mesh.shape[MODEL_AXIS]
+    spec = (lambda nd, ax: jax.sharding.PartitionSpec() if ax is None
+            else jax.sharding.PartitionSpec(*[MODEL_AXIS if i == ax else None for i in range(nd)]))
+    headed = [i for i, ax in enumerate(axes) if ax is not None]
+
+    def local(*xs):
+        stacked = tuple(jnp.moveaxis(xs[i], axes[i], 0) for i in headed)
+
+        def one(hs):
+            full = list(xs)
+            for i, h in zip(headed, hs, strict=True):
+                full[i] = jnp.expand_dims(h, axes[i])
+            return tuple(jnp.squeeze(o, ax) for o, ax in zip(fn(*full), out_axes, strict=True))
+
+        return tuple(jnp.moveaxis(o, 0, ax) for o, ax in zip(fenced_map(one, stacked), out_axes, strict=True))
+
+    if tp == 1:
+        return local(*args)
+    out_nd = [a.ndim for a in jax.eval_shape(fn, *[jax.ShapeDtypeStruct(
+        tuple(1 if i == ax else d for i, d in enumerate(a.shape)), a.dtype) if ax is not None else a
+        for a, ax in zip(args, axes, strict=True)])]
+    return jax.shard_map(local, mesh=mesh, in_specs=tuple(spec(a.ndim, ax) for a, ax in zip(args, axes, strict=True)),
+                         out_specs=tuple(spec(n, ax) for n, ax in zip(out_nd, out_axes, strict=True)),
+                         axis_names={MODEL_AXIS}, check_vma=False)(*args)
 
 
 # --- norms and conv ---
@@ -148,10 +201,7 @@ def add_norm(x: jax.Array, parts: jax.Array, weight: jax.Array, *, kind: str, ep
     """The residual stream's step: x + the update given as partial sums parts [S, ..., D] (`qmatmul(parts=True)`),
     and its RMSNorm; returns both: the sum in order and the add through XLA (one fusion that reads the partials
     with many blocks), then `row_norm`."""
-    update = parts[0]
-    for p in parts[1:]:  # fixed order, elementwise: the same for every row
-        update = update + p
-    nx = x + update.astype(x.dtype)
+    nx = x + sum_parts(parts).astype(x.dtype)  # fixed order, elementwise: the same for every row
     return nx, row_norm(nx, weight, kind=kind, eps=eps, rows=rows)
 
 
@@ -189,6 +239,9 @@ def recurrent(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax
 
     Rows at or past a lane's `count` leave its state alone; their outputs are not to be read.
     """
+    if active_mesh() is not None:  # one head at a time: the same arithmetic at every TP degree
+        return per_head(lambda *a: gdk.recurrent_reference(*a, count, gpu=_gpu()), [state, q, k, v, g, beta],
+                        [1, 2, 2, 2, 2, 2], [1, 2])
     return gdk.recurrent_reference(state, q, k, v, g, beta, count, gpu=_gpu())
 
 
@@ -212,6 +265,8 @@ def chunked(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.A
     kn = active()
     if kn.pallas and kn.delta_chunked and gdc.supports(k.shape[-1], v.shape[-1]):
         return gdc.chunked(state, q, k, v, g, beta, block_sizes=gdc.BlockSizes(chunk=chunk))
+    if active_mesh() is not None:  # one head at a time: the same arithmetic at every TP degree
+        return per_head(lambda *a: gdc.reference(*a, chunk), [state, q, k, v, g, beta], [1, 2, 2, 2, 2, 2], [1, 2])
     return gdc.reference(state, q, k, v, g, beta, chunk)
 
 
@@ -242,27 +297,95 @@ def paged_attention(q: jax.Array, pages: KVPages, page_table: jax.Array, positio
         if pk.supports(e):
             return pk.paged_attention(q, pages.k, pages.v, page_table, positions)
     k, v = gather_pages(pages, page_table)
+    if active_mesh() is not None:  # one q head (with its kv head) at a time: the same arithmetic at every degree
+        rep = q.shape[2] // k.shape[2]
+        k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+        return per_head(lambda *a: (pk.attention_reference(*a, positions, rows, gpu=_gpu()),), [q, k, v],
+                        [2, 2, 2], [2])[0]
     return pk.attention_reference(q, k, v, positions, rows, gpu=_gpu())
 
 
 # --- linears ---
 
 
-def _dot_t(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., in] @ w[out, in].T with f32 accumulation, result in x.dtype."""
+def _dot_t(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
+    """x [..., in] @ w[out, in].T with f32 accumulation, result in out_dtype (default x.dtype)."""
     y = jax.lax.dot_general(x, w.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32)
-    return y.astype(x.dtype)
+    return y.astype(out_dtype or x.dtype)
 
 
-def matmul(x: jax.Array, w: jax.Array, *, rows: bool = False) -> jax.Array:
+def matmul(x: jax.Array, w: jax.Array, *, rows: bool = False, out_dtype=None) -> jax.Array:
     """x [..., in] @ w[out, in].T; `rows` asks for row-invariant arithmetic (lane rounds): the fixed-tile Pallas
-    matmul with kernels (one launch; tiles fixed by the weight's shape), else fixed row tiles of XLA dots."""
+    matmul with kernels (one launch; tiles fixed by the weight's shape), else fixed row tiles of XLA dots.
+    `out_dtype`: the result's dtype (a row-parallel partial keeps f32), default x.dtype."""
     if rows:
         if _gpu() and mm.supports(*w.shape):
-            return mm.matmul(x, w)
-        return row_tiled(lambda t: _dot_t(t, w), x)
-    return _dot_t(x, w)
+            return mm.matmul(x, w).astype(out_dtype or x.dtype)
+        return row_tiled(lambda t: _dot_t(t, w, out_dtype), x)
+    return _dot_t(x, w, out_dtype)
+
+
+def row_parallel(fn, x: jax.Array, weights: list[jax.Array], parts: int) -> jax.Array:
+    """A row-parallel product as `parts` fixed K-split partials [parts, ..., out]: fn(x chunk, *weight chunks) over
+    chunk c of x's last axis and of each weight's last axis (weight [out, K'], K' a multiple of parts).
+
+    Exact across TP degree by construction: the chunks are fixed by the weight's shape, each is the same loop
+    iteration (`fenced_map`) whatever the degree; under a mesh each device computes its own parts / N chunks inside
+    `shard_map` (kernels per shard), and one all-gather brings the partials back in chunk order, for the consumer
+    to sum in that order (`add_norm`, `sum_parts`), never a psum whose order depends on N."""
+    mesh = active_mesh()
+    tp = 1 if mesh is None else mesh.shape[MODEL_AXIS]
+
+    def local(x, *ws):  # x [..., K/tp], ws [out, K'/tp] -> [parts/tp, ..., out]
+        n = parts // tp
+        xs = jnp.moveaxis(x.reshape(*x.shape[:-1], n, x.shape[-1] // n), -2, 0)
+        wc = [jnp.moveaxis(w.reshape(w.shape[0], n, w.shape[1] // n), 1, 0) for w in ws]
+        return fenced_map(lambda a: fn(a[0], *a[1:]), (xs, *wc))
+
+    if tp == 1:
+        return local(x, *weights)
+    spec_x = jax.sharding.PartitionSpec(*([None] * (x.ndim - 1)), MODEL_AXIS)
+    spec_w = jax.sharding.PartitionSpec(None, MODEL_AXIS)
+
+    def sharded(x, *ws):
+        return jax.lax.all_gather(local(x, *ws), MODEL_AXIS, axis=0, tiled=True)  # the one collective
+
+    return jax.shard_map(sharded, mesh=mesh, in_specs=(spec_x, *[spec_w] * len(weights)),
+                         out_specs=jax.sharding.PartitionSpec(), axis_names={MODEL_AXIS}, check_vma=False)(x, *weights)
+
+
+def column_parallel(fn, x: jax.Array, weights: list[jax.Array], parts: int, shard: bool = True) -> jax.Array:
+    """A column-parallel product in `parts` fixed output blocks: fn(x, *weight blocks) -> [..., out / parts] over
+    block c of each weight's first axis, concatenated to [..., out].
+
+    The blocks are fixed by the weight's shape and each is the same loop iteration (`fenced_map`), so a column's
+    arithmetic never depends on how many columns a device holds (XLA's dot rounds differently at other widths);
+    under a mesh (`shard`) each device computes its parts / N blocks inside `shard_map` and keeps them (the output
+    split over `model`, no collective)."""
+    mesh = active_mesh()
+    tp = mesh.shape[MODEL_AXIS] if shard and mesh is not None else 1
+
+    def local(x, *ws):  # ws [out/tp, ...] -> [..., out/tp]
+        n = parts // tp
+        wc = tuple(w.reshape(n, w.shape[0] // n, *w.shape[1:]) for w in ws)
+        ys = fenced_map(lambda a: fn(x, *a), wc)  # [n, ..., out/parts]
+        return jnp.moveaxis(ys, 0, -2).reshape(*ys.shape[1:-1], n * ys.shape[-1])
+
+    if tp == 1:
+        return local(x, *weights)
+    spec_w = jax.sharding.PartitionSpec(MODEL_AXIS)
+    spec_y = jax.sharding.PartitionSpec(*([None] * (x.ndim - 1)), MODEL_AXIS)
+    return jax.shard_map(local, mesh=mesh, in_specs=(jax.sharding.PartitionSpec(), *[spec_w] * len(weights)),
+                         out_specs=spec_y, axis_names={MODEL_AXIS}, check_vma=False)(x, *weights)
+
+
+def sum_parts(parts: jax.Array) -> jax.Array:
+    """Partial sums [S, ...] added in index order (elementwise: the same for every row and every TP degree)."""
+    total = parts[0]
+    for p in parts[1:]:
+        total = total + p
+    return total
 
 
 def qmatmul_path(n: int, k: int, *, bits: int, group_size: int, layout: str, packed: bool, row_count: int,
@@ -286,14 +409,16 @@ def qmatmul_path(n: int, k: int, *, bits: int, group_size: int, layout: str, pac
 
 
 def qmatmul(x: jax.Array, weight: jax.Array, scales: jax.Array, biases: jax.Array | None, *, bits: int,
-            group_size: int, rows: bool = False, layout: str = "mlx", parts: bool = False) -> jax.Array:
+            group_size: int, rows: bool = False, layout: str = "mlx", parts: bool = False,
+            out_dtype=None) -> jax.Array:
     """x [..., in] @ dequant(weight)[out, in].T for MLX affine weights, in the MLX, kernel or pair layout.
 
     Kernel or pair layout (`quant.to_kernel_layout`, `quant.to_pair_layout`): the row-invariant kernels for
     lane-round rows (any count) and for up to `KERNEL_MAX_ROWS` prompt rows (`qmatmul_path`); XLA's
     dequantize-then-dot elsewhere. `biases=None`: `scales` holds both (`quant.pack_scale_bias`).
     `parts`: the product as partial sums [S, ..., out] for the consumer to sum in order (`add_norm`): the Mosaic
-    kernel's K-split partials (f32), else the product itself as S = 1.
+    kernel's K-split partials (f32), else the product itself as S = 1. `out_dtype`: the reference path's result
+    dtype (default x.dtype; the kernels' results come in x.dtype).
     """
     lead, k, n = x.shape[:-1], x.shape[-1], weight.shape[0]
     done = (lambda y: y[None]) if parts else (lambda y: y)  # one partial sum: the product
@@ -320,7 +445,7 @@ def qmatmul(x: jax.Array, weight: jax.Array, scales: jax.Array, biases: jax.Arra
         w = unpacked(weight, scales, biases, bits=bits, group_size=group_size, dtype=x.dtype)
     else:
         w = quant.dequantize(weight, scales, biases, bits=bits, group_size=group_size, dtype=x.dtype)
-    return done(matmul(x, w, rows=rows))
+    return done(matmul(x, w, rows=rows, out_dtype=out_dtype))
 
 
 def experts(x: jax.Array, idx: jax.Array, weights: jax.Array, gate: tuple, up: tuple, down: tuple, *,

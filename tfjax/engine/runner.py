@@ -55,6 +55,12 @@ class Runner:
             proc=sampling.Processors.create(n, self.vocab), gstate=jnp.full((n,), -1, jnp.int32))
         self.pools = [snapshots.empty_pool(cache, self.snapshot_slots), snapshots.empty_pool(draft_cache,
                                                                                               self.snapshot_slots)]
+        if getattr(target, "mesh", None) is not None:  # tensor parallel: caches by head, lanes over `data`
+            from tfjax import sharding
+
+            sharded_drafter = getattr(drafter, "mesh", None) is not None
+            self.state = sharding.shard_lane_state(self.state, target.mesh, draft_heads=sharded_drafter)
+            self.pools = [sharding.shard_pool(p, target.mesh) for p in self.pools]
         self.grammars.clear()
         self.constrained.clear()
 

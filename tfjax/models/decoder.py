@@ -123,7 +123,10 @@ class Cache:
 class CausalLM(nnx.Module):
     """Embeddings, decoder layers, final norm and lm_head (tied or not); shared by every family.
 
-    `kernels` (static, in the graphdef) is the implementation choice its forward traces with (`ops.using`)."""
+    `kernels` (static, in the graphdef) is the implementation choice its forward traces with (`ops.using`); `mesh`
+    (static, set by `tfjax.sharding.shard_model`) the device mesh its row-parallel products shard over."""
+
+    mesh = None
 
     def __init__(self, config: ModelConfig, layer_cls, *, rngs: nnx.Rngs, kernels: ops.Kernels | None = None):
         c, dt = config, dtype_of(config)
@@ -161,7 +164,7 @@ class CausalLM(nnx.Module):
     def __call__(self, tokens: jax.Array, start: jax.Array, valid: jax.Array, cache: Cache, mode: Mode) -> tuple:
         """Logits [B, T, V] f32 (or [B, V] for the last valid row), the new cache, DeltaNet traces; with
         `mode.taps` also the tapped layers' outputs [B, T, len(taps) * D] (the last layer's after the norm)."""
-        with ops.using(self.kernels):
+        with ops.using(self.kernels), ops.using_mesh(self.mesh):
             return self._forward(tokens, start, valid, cache, mode)
 
     def _forward(self, tokens, start, valid, cache, mode):
@@ -187,13 +190,16 @@ class CausalLM(nnx.Module):
 
     def logits(self, x: jax.Array, rows: bool = False) -> jax.Array:
         """Logits [..., V] f32 of final hidden states x (the tied embedding or lm_head)."""
-        with ops.using(self.kernels):
+        with ops.using(self.kernels), ops.using_mesh(self.mesh):
             return self._logits(x, rows)
 
     def _logits(self, x: jax.Array, rows: bool = False) -> jax.Array:
-        if self.config.tie_word_embeddings:
-            return self.model["embed_tokens"].attend(x, rows).astype(jnp.float32)
-        return self.lm_head(x, rows).astype(jnp.float32)
+        head = self.model["embed_tokens"].attend if self.config.tie_word_embeddings else self.lm_head
+        logits = head(x, rows).astype(jnp.float32)
+        if self.mesh is not None:  # vocab shards gathered: sampling sees whole rows, never a sum across devices
+            logits = jax.lax.with_sharding_constraint(logits, jax.sharding.NamedSharding(self.mesh,
+                                                                                           jax.sharding.PartitionSpec()))
+        return logits
 
 
 def lane_cache(cache: Cache, lane: jax.Array) -> Cache:

@@ -56,7 +56,13 @@ class RMSNorm(nnx.Module):
 
 
 class Linear(nnx.Module):
-    """y = x @ W.T (+ b); W [out, in] dense, or MLX affine-quantized (weight/scales/biases)."""
+    """y = x @ W.T (+ b); W [out, in] dense, or MLX affine-quantized (weight/scales/biases).
+
+    `split`, `parts` (static, `tfjax.sharding.plan`): "row" with `parts` fixed K-split partials, "column" with
+    `parts` fixed output blocks (split over the mesh) or "blocks" (the same blocks, every device all of them);
+    `parts` 1: one product."""
+
+    split, parts = "row", 1
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool = False, quant: tuple[int, int] | None = None,
                  dtype, rngs: nnx.Rngs):
@@ -73,7 +79,11 @@ class Linear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
 
     def __call__(self, x: jax.Array, rows: bool = False) -> jax.Array:
-        if self.quant is None:
+        if self.parts > 1 and self.split == "row":
+            return ops.sum_parts(self.partials(x, rows)).astype(x.dtype)
+        if self.parts > 1:
+            y = self._blocks(x, rows)
+        elif self.quant is None:
             y = ops.matmul(x, self.weight[...], rows=rows)
         else:
             bits, group = self.quant
@@ -86,13 +96,39 @@ class Linear(nnx.Module):
 
     def partials(self, x: jax.Array, rows: bool = False) -> jax.Array:
         """y as partial sums [S, ..., out] for a consumer that sums them in order (`RMSNorm.add`: with the residual
-        add in one XLA fusion): the 4-bit kernel's K split; [1, ...] when y comes whole."""
+        add in one XLA fusion): the `parts` fixed K chunks (`ops.row_parallel`, f32, the bias a last partial), else
+        the 4-bit kernel's K split; [1, ...] when y comes whole."""
+        if self.parts > 1 and self.split == "row":
+            return self._chunks(x, rows)
         if self.quant is None or self.bias is not None:
             return self(x, rows)[None]
         bits, group = self.quant
         biases = None if self.biases is None else self.biases[...]
         return ops.qmatmul(x, self.weight[...], self.scales[...], biases, bits=bits, group_size=group, rows=rows,
                            layout=self.layout, parts=True)
+
+    def _weights(self) -> list[jax.Array]:
+        if self.layout != "mlx":
+            raise ValueError(f"a tensor-parallel Linear needs the MLX layout (chunks in order), got {self.layout!r}")
+        return [self.weight[...]] if self.quant is None else [self.weight[...], self.scales[...], self.biases[...]]
+
+    def _product(self, rows: bool, out_dtype=None):
+        """fn(x, *weights) of this Linear's kind (dense or quantized), for `ops.row_parallel`/`column_parallel`."""
+        if self.quant is None:
+            return lambda xc, w: ops.matmul(xc, w, rows=rows, out_dtype=out_dtype)
+        bits, group = self.quant
+        return lambda xc, w, s, b: ops.qmatmul(xc, w, s, b, bits=bits, group_size=group, rows=rows,
+                                               out_dtype=out_dtype).astype(out_dtype or xc.dtype)
+
+    def _blocks(self, x: jax.Array, rows: bool) -> jax.Array:
+        return ops.column_parallel(self._product(rows), x, self._weights(), self.parts, self.split == "column")
+
+    def _chunks(self, x: jax.Array, rows: bool) -> jax.Array:
+        parts = ops.row_parallel(self._product(rows, jnp.float32), x, self._weights(), self.parts)
+        if self.bias is not None:
+            bias = jnp.broadcast_to(self.bias[...].astype(jnp.float32), parts.shape[1:])
+            parts = jnp.concatenate([parts, bias[None]], axis=0)
+        return parts
 
 
 class Embedding(nnx.Module):

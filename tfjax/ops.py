@@ -250,6 +250,8 @@ def paged_attention(q: jax.Array, pages: KVPages, page_table: jax.Array, positio
                                              block_sizes=MOSAIC_ATTENTION_BLOCKS)
         if pk.supports(e):
             return pk.paged_attention(q, pages.k, pages.v, page_table, positions)
+    if rows and not _gpu():  # the CPU: each row reads only the key tiles up to its position
+        return pk.paged_rows_reference(q, pages, page_table, positions)
     k, v = gather_pages(pages, page_table)
     return pk.attention_reference(q, k, v, positions, rows, gpu=_gpu())
 

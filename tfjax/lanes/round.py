@@ -16,7 +16,7 @@ Shapes are fixed by the static `RoundSpec`, so plain and drafted lanes run the s
 Idle lanes cost nothing: given `order` (lane ids, live ones first, padded with idle ones to a bucket of 1, 2, 4 ...
 lanes), the round gathers those lanes' rows of the state, runs on them alone and scatters them back; every op is
 row-invariant (a lane's numbers never depend on which or how many lanes share the round), so the bucket only
-changes the cost. Processors and grammar masks are traced only when `spec.processors` says a live lane uses them.
+changes the cost; sampling alone runs over every lane's rows (`_choose`). Processors and grammar masks are traced only when `spec.processors` says a live lane uses them.
 """
 
 from __future__ import annotations
@@ -167,7 +167,8 @@ def lane_round(target_def, target_params, drafter_def, drafter_params, state: La
     graphdefs and array shapes (B among them) are the only compile keys."""
     if order is None:
         return _round(target_def, target_params, drafter_def, drafter_params, state, spec)
-    new, out = _round(target_def, target_params, drafter_def, drafter_params, take_lanes(state, order), spec)
+    new, out = _round(target_def, target_params, drafter_def, drafter_params, take_lanes(state, order), spec,
+                      (state, order))
     n = state.length.shape[0]
     spread = lambda a, fill: jnp.full((n, *a.shape[1:]), fill, a.dtype).at[order].set(a)  # noqa: E731
     logprobs = None if out.logprobs is None else jax.tree.map(lambda a: spread(a, 0), out.logprobs)
@@ -175,8 +176,30 @@ def lane_round(target_def, target_params, drafter_def, drafter_params, state: La
     return put_lanes(state, new, order), out
 
 
-def _round(target_def, target_params, drafter_def, drafter_params, state: LaneState,
-           spec: RoundSpec) -> tuple[LaneState, RoundOut]:
+def _choose(logits: jax.Array, rows: jax.Array, positions: jax.Array, state: LaneState, spec: RoundSpec,
+            full: tuple[LaneState, jax.Array] | None):
+    """Each row's token, its grammar state and logprobs. With `full` (the whole state, the bucket's lane ids) the
+    rows are spread back over every lane first: sampling and logprobs reduce over the vocabulary, and XLA's
+    arithmetic there may follow the array's shape, so they always see [capacity, W, V]."""
+    if full is not None:
+        state, order = full
+        n = state.length.shape[0]
+        spread = lambda a: jnp.zeros((n, *a.shape[1:]), a.dtype).at[order].set(a)  # noqa: E731
+        logits, rows, positions = spread(logits), spread(rows), spread(positions)
+    scores, row_gstates = choose_scores(logits, rows, state, spec.processors)
+    chosen = sampling.sample(scores, positions, state.sampling)  # [L, W]
+    logprobs = sampling.logprobs(logits, chosen, state.proc.logprobs) if spec.processors and state.proc is not None \
+        else None
+    if full is not None:
+        take = lambda a: a[order]  # noqa: E731
+        chosen = take(chosen)
+        row_gstates = None if row_gstates is None else take(row_gstates)
+        logprobs = None if logprobs is None else jax.tree.map(take, logprobs)
+    return chosen, row_gstates, logprobs
+
+
+def _round(target_def, target_params, drafter_def, drafter_params, state: LaneState, spec: RoundSpec,
+           full: tuple[LaneState, jax.Array] | None = None) -> tuple[LaneState, RoundOut]:
     cfg = spec.lanes
     n_lanes, width, context = state.length.shape[0], cfg.width, cfg.context
     n_prop = width - 1
@@ -214,10 +237,8 @@ def _round(target_def, target_params, drafter_def, drafter_params, state: LaneSt
     logits, cache, traces, *taps = _forward(target_def, target_params, rows, start, jnp.full_like(start, width),
                                             state.cache, mode)
     positions = length[:, None] + jnp.arange(width)[None, :]
-    scores, row_gstates = choose_scores(logits, rows, state, spec.processors)
-    chosen = sampling.sample(scores, positions, state.sampling)  # [L, W]
+    chosen, row_gstates, logprobs = _choose(logits, rows, positions, state, spec, full)  # [L, W]
     processed = spec.processors and state.proc is not None
-    logprobs = sampling.logprobs(logits, chosen, state.proc.logprobs) if processed else None
 
     # 3. accept: leading proposals that equal the target's own token, then the bonus token
     agree = (proposals == chosen[:, :n_prop]) & (jnp.arange(n_prop)[None, :] < count[:, None])

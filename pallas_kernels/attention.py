@@ -296,3 +296,54 @@ def reference(q, k_pages, v_pages, page_table, positions) -> jax.Array:
     """Plain jax.numpy: gather the lane's pages, then `attention_reference`."""
     k, v = gather_pages(KVPages(k_pages, v_pages), page_table)
     return attention_reference(q, k, v, positions)
+
+
+REFERENCE_TILE_PAGES = 4  # pages of keys per step of `paged_rows_reference` (64 keys at the usual page of 16)
+
+
+def paged_rows_reference(q: jax.Array, pages: KVPages, page_table: jax.Array, positions: jax.Array, *,
+                         tile_pages: int = REFERENCE_TILE_PAGES) -> jax.Array:
+    """Lane-round rows' causal attention on the CPU, reading only the key tiles each row can see.
+
+    q [B, T, H, E] at `positions` [B, T] over the lane's pages. Each row runs on its own (fenced loops over
+    lanes and rows), walking key tiles of `tile_pages` pages from position 0 with an online softmax in float32
+    until the tile holding its position: its arithmetic depends on its q, its position and the keys only, never
+    on T, the lane count, the page table's width (the configured context) or the other lanes' lengths, and its
+    cost follows its own length.
+    """
+    b, t, h, e = q.shape
+    n_pages, page, g, _ = pages.k.shape
+    width = page_table.shape[1]
+    pad = (-width) % tile_pages
+    table = jnp.pad(page_table, ((0, 0), (0, pad)))  # whole tiles; the padding is past every row's position
+    tiles = table.shape[1] // tile_pages
+    tile = tile_pages * page
+    r = h // g
+
+    def row(qr, pos, lane_table):  # qr [H, E], pos scalar
+        qg = qr.reshape(g, r, e)
+        count = fenced.opaque_count(jnp.clip(pos // tile + 1, 1, tiles), gpu=False)
+
+        def step(i, carry):
+            m, l, acc = carry
+            ids = jnp.clip(jax.lax.dynamic_slice_in_dim(lane_table, i * tile_pages, tile_pages), 0, n_pages - 1)
+            k = pages.k[ids].reshape(tile, g, e).astype(q.dtype)
+            v = pages.v[ids].reshape(tile, g, e).astype(q.dtype)
+            s = jnp.einsum("gre,sge->grs", qg, k, preferred_element_type=jnp.float32) * (e**-0.5)
+            seen = i * tile + jnp.arange(tile) <= pos
+            s = jnp.where(seen[None, None], s, NEG)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            alpha = jnp.exp(m - m_new)
+            p = jnp.where(seen[None, None], jnp.exp(s - m_new[..., None]), 0.0)
+            pv = jnp.einsum("grs,sge->gre", p.astype(q.dtype), v, preferred_element_type=jnp.float32)
+            return m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + pv
+
+        init = (jnp.full((g, r), NEG, jnp.float32), jnp.zeros((g, r), jnp.float32), jnp.zeros((g, r, e), jnp.float32))
+        _, l, acc = jax.lax.fori_loop(0, count, step, init)
+        return (acc / l[..., None]).reshape(h, e).astype(q.dtype)
+
+    def lane(xs):  # q [T, H, E], positions [T], table [n]
+        qb, pb, tb = xs
+        return fenced.fenced_map(lambda x: row(x[0], x[1], tb), (qb, pb), gpu=False)
+
+    return fenced.fenced_map(lane, (q, positions, table), gpu=False)

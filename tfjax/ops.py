@@ -296,6 +296,8 @@ def paged_attention(q: jax.Array, pages: KVPages, page_table: jax.Array, positio
             return mgpu_attn.paged_attention(q, pages.k, pages.v, page_table, positions)
         if pk.supports(e):
             return pk.paged_attention(q, pages.k, pages.v, page_table, positions)
+    if rows and not _gpu():  # the CPU: each row reads only the key tiles up to its position
+        return pk.paged_rows_reference(q, pages, page_table, positions)
     k, v = gather_pages(pages, page_table)
     if active_mesh() is not None:  # one q head (with its kv head) at a time: the same arithmetic at every degree
         rep = q.shape[2] // k.shape[2]

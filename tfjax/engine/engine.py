@@ -223,7 +223,7 @@ class Engine:
             self._reset(e)
             return
         self.rounds += 1
-        lps = None
+        lps = None  # None also from a round dispatched before any live lane wanted them
         if any(self._wants_logprobs(s.request) for s in self.scheduler.running.values()):
             lps = self.runner.collect_logprobs(out)
         for lane, request_id in live.items():

@@ -1,6 +1,12 @@
-"""The runner owns device state (parameters, caches, lane state) and is the only caller of jitted code."""
+"""The runner owns device state (parameters, caches, lane state) and is the only caller of jitted code.
+
+A round computes only a bucket of lanes (1, 2, 4 ... up to the capacity) holding the live ones, and traces the
+sampling processors only while a live lane uses them; prompt chunks are padded to a bucket of their length and
+attend over a bucket of pages. Each is a compile key, and none changes a lane's numbers (tests/test_lanes.py)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +40,9 @@ class Runner:
         self.vocab = target.config.vocab_size
         self.grammars = grammar.Table(self.vocab)  # grammars of the live constrained lanes, packed
         self.constrained: set[int] = set()  # lanes whose request has a grammar
+        self.live: set[int] = set()  # lanes between prefill and release
+        self.processed: set[int] = set()  # live lanes with penalties, logit_bias, logprobs or a grammar
+        self._order: tuple[tuple[int, ...], jax.Array | None] = ((), None)  # the last round's lanes, on the device
         self.first_logprobs: sampling.Logprobs | None = None  # of the last prefill's first token
         self.reset()
         target_facts = target_facts or ModelFacts(root_copies=True, enter_match=lanes.enter_match)
@@ -63,18 +72,25 @@ class Runner:
             self.pools = [sharding.shard_pool(p, target.mesh) for p in self.pools]
         self.grammars.clear()
         self.constrained.clear()
+        self.live, self.processed = set(), set()
 
     def set_facts(self, facts: RoundFacts) -> None:
         """Swap the static facts (a new compile key for the round)."""
         self.spec = lane_round_mod.RoundSpec(self.lanes, facts)
 
     def _chunks(self, prompt: np.ndarray, resume: int):
-        """The prompt's chunks on the absolute grid from `resume` (a grid point): (tokens [1, C], start, valid)."""
+        """The prompt's chunks on the absolute grid from `resume` (a grid point): (tokens [1, C], start, valid,
+        pages). C is the chunk, or for the last one a power of two from 16 up holding its tokens; `pages` a
+        power of two of pages holding the keys up to its end. Both follow from the chunk's start and length
+        only, so a resumed prompt runs exactly the chunks a fresh one runs."""
         for s in range(resume, len(prompt), self.chunk):
             piece = prompt[s : s + self.chunk]
-            tokens = np.zeros((1, self.chunk), np.int32)
+            size = min(self.chunk, max(16, 1 << (len(piece) - 1).bit_length()))
+            tokens = np.zeros((1, size), np.int32)
             tokens[0, : len(piece)] = piece
-            yield jnp.asarray(tokens), s, len(piece)
+            need = -(-(s + size) // self.lanes.page_size)
+            pages = min(self.lanes.pages_per_lane, 1 << (need - 1).bit_length())
+            yield jnp.asarray(tokens), s, len(piece), pages
 
     def _snapshot(self, which: int, cache, lane: int, end: int, saves: dict[int, int]) -> None:
         if end in saves and self.pools[which] is not None:
@@ -88,9 +104,9 @@ class Runner:
     def _prefill_model(self, which: int, graphdef, params, cache, lane: int, prompt: np.ndarray, resume: int,
                        restore: int | None, saves: dict[int, int]):
         logits, cache = None, self._restore(which, cache, lane, restore)
-        for tokens, s, n in self._chunks(prompt, resume):
+        for tokens, s, n, pages in self._chunks(prompt, resume):
             logits, cache = lane_round_mod.prefill_chunk(graphdef, params, cache, jnp.int32(lane), tokens,
-                                                         jnp.int32(s), jnp.int32(n))
+                                                         jnp.int32(s), jnp.int32(n), pages=pages)
             self._snapshot(which, cache, lane, s + n, saves)
         return logits, cache
 
@@ -150,6 +166,12 @@ class Runner:
         if self.block_drafter:
             self.state = blocks.first_block(self.target_def, self.target_params, self.drafter_def,
                                             self.drafter_params, self.state, jnp.int32(lane))
+        self.live.add(lane)
+        used, logprobs = jax.device_get((proc.used[0], proc.logprobs[0]))
+        if used or logprobs or token_grammar is not None:
+            self.processed.add(lane)
+        else:
+            self.processed.discard(lane)
         return first
 
     def _prefill_with_taps(self, lane: int, prompt: np.ndarray, resume: int, restore: int | None,
@@ -157,17 +179,36 @@ class Runner:
         """Prompt chunks through the target, their tapped states into the block drafter's (paged) context."""
         st, logits = self.state, None
         st.cache = self._restore(0, st.cache, lane, restore)
-        for tokens, s, n in self._chunks(prompt, resume):
+        for tokens, s, n, _ in self._chunks(prompt, resume):
             logits, st.cache, st.draft_cache = blocks.prefill_chunk(
                 self.target_def, self.target_params, self.drafter_def, self.drafter_params, st.cache, st.draft_cache,
                 jnp.int32(lane), tokens, jnp.int32(s), jnp.int32(n))
             self._snapshot(0, st.cache, lane, s + n, saves)
         return logits
 
+    def round_lanes(self) -> tuple[int, ...] | None:
+        """The lanes the next round computes: the live ones (ascending), then idle ones up to a power of two;
+        None for all of them (the bucket is the capacity)."""
+        n = self.lanes.capacity
+        bucket = 1 << max(len(self.live) - 1, 0).bit_length()
+        if bucket >= n:
+            return None
+        idle = [i for i in range(n) if i not in self.live]
+        return tuple(sorted(self.live)) + tuple(idle[: bucket - len(self.live)])
+
     def dispatch(self) -> lane_round_mod.RoundOut:
         """Enqueue one lane round (asynchronous); the lane state moves on, its output stays on the device."""
+        lanes = self.round_lanes()
+        if lanes is None:
+            order = None
+        elif lanes == self._order[0]:
+            order = self._order[1]
+        else:
+            order = jnp.asarray(lanes, jnp.int32)
+            self._order = (lanes, order)
+        spec = dataclasses.replace(self.spec, processors=bool(self.processed))
         self.state, out = lane_round_mod.lane_round(self.target_def, self.target_params, self.drafter_def,
-                                                    self.drafter_params, self.state, self.spec)
+                                                    self.drafter_params, self.state, spec, order)
         return out
 
     @staticmethod
@@ -177,13 +218,17 @@ class Runner:
         return tokens, count, proposed
 
     @staticmethod
-    def collect_logprobs(out: lane_round_mod.RoundOut) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def collect_logprobs(out: lane_round_mod.RoundOut) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """A round's chosen-token logprobs [L, W], top ids and top logprobs [L, W, K] (waits for it)."""
         lp = out.logprobs
+        if lp is None:  # a round without processors: no live lane wanted them when it was dispatched
+            return None
         return jax.device_get((lp.logprob, lp.top_ids, lp.top_logprobs))
 
     def release(self, lane: int) -> None:
         self.constrained.discard(lane)
+        self.live.discard(lane)
+        self.processed.discard(lane)
         self.state = lane_round_mod.release(self.state, jnp.int32(lane))
 
 

@@ -12,6 +12,11 @@ Per round, for each live lane with `length` tokens (its last one, the pending to
    writes context K/V for the committed rows only and drafts the next block from the new pending token,
    unless every live lane's next round takes a root copy (then the block would go unused).
 Shapes are fixed by the static `RoundSpec`, so plain and drafted lanes run the same arithmetic.
+
+Idle lanes cost nothing: given `order` (lane ids, live ones first, padded with idle ones to a bucket of 1, 2, 4 ...
+lanes), the round gathers those lanes' rows of the state, runs on them alone and scatters them back; every op is
+row-invariant (a lane's numbers never depend on which or how many lanes share the round), so the bucket only
+changes the cost; sampling alone runs over every lane's rows (`_choose`). Processors and grammar masks are traced only when `spec.processors` says a live lane uses them.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class RoundSpec:
 
     lanes: LaneConfig
     facts: RoundFacts
+    processors: bool = True  # trace penalties, logit_bias, logprobs and grammar masks (False: no live lane uses any)
 
 
 @jax.tree_util.register_dataclass
@@ -118,12 +124,84 @@ def _draft_chain(graphdef, params, state: LaneState, width: int, context: int):
     return jnp.stack(drafts, axis=1), stack
 
 
+def _cache_take(cache: Cache | None, order: jax.Array) -> Cache | None:
+    """The lanes `order` of a cache: their DeltaNet slots and page-table rows (KV pools are shared)."""
+    if cache is None:
+        return None
+    layers = [DeltaState(l.conv[order], l.state[order]) if isinstance(l, DeltaState) else l for l in cache.layers]
+    return Cache(layers, cache.page_table[order])
+
+
+def _cache_put(cache: Cache | None, sub: Cache | None, order: jax.Array) -> Cache | None:
+    """`cache` with the lanes `order` written back from `sub` (KV pools taken from `sub`)."""
+    if cache is None:
+        return None
+    layers = [DeltaState(l.conv.at[order].set(s.conv), l.state.at[order].set(s.state)) if isinstance(l, DeltaState)
+              else s for l, s in zip(cache.layers, sub.layers, strict=True)]
+    return Cache(layers, cache.page_table.at[order].set(sub.page_table))
+
+
+_SHARED = ("cache", "draft_cache", "grammar")  # not indexed by lane (caches: per-lane parts handled apart)
+
+
+def take_lanes(state: LaneState, order: jax.Array) -> LaneState:
+    """The state of lanes `order` [B] only (B distinct lane ids)."""
+    per_lane = {f.name: jax.tree.map(lambda a: a[order], getattr(state, f.name))
+                for f in dataclasses.fields(state) if f.name not in _SHARED}
+    return dataclasses.replace(state, **per_lane, cache=_cache_take(state.cache, order),
+                               draft_cache=_cache_take(state.draft_cache, order))
+
+
+def put_lanes(state: LaneState, sub: LaneState, order: jax.Array) -> LaneState:
+    """`state` with lanes `order` replaced by `sub`'s rows (shared pools and the grammar table from `sub`)."""
+    per_lane = {f.name: jax.tree.map(lambda a, b: a.at[order].set(b), getattr(state, f.name), getattr(sub, f.name))
+                for f in dataclasses.fields(state) if f.name not in _SHARED}
+    return dataclasses.replace(sub, **per_lane, cache=_cache_put(state.cache, sub.cache, order),
+                               draft_cache=_cache_put(state.draft_cache, sub.draft_cache, order))
+
+
 @functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "spec"), donate_argnames=("state",))
-def lane_round(target_def, target_params, drafter_def, drafter_params, state: LaneState,
-               spec: RoundSpec) -> tuple[LaneState, RoundOut]:
-    """One round for all lanes; `spec`, the graphdefs and array shapes are the only compile keys."""
+def lane_round(target_def, target_params, drafter_def, drafter_params, state: LaneState, spec: RoundSpec,
+               order: jax.Array | None = None) -> tuple[LaneState, RoundOut]:
+    """One round for all lanes, or for the lanes `order` [B] only (the others' outputs: no tokens); `spec`, the
+    graphdefs and array shapes (B among them) are the only compile keys."""
+    if order is None:
+        return _round(target_def, target_params, drafter_def, drafter_params, state, spec)
+    new, out = _round(target_def, target_params, drafter_def, drafter_params, take_lanes(state, order), spec,
+                      (state, order))
+    n = state.length.shape[0]
+    spread = lambda a, fill: jnp.full((n, *a.shape[1:]), fill, a.dtype).at[order].set(a)  # noqa: E731
+    logprobs = None if out.logprobs is None else jax.tree.map(lambda a: spread(a, 0), out.logprobs)
+    out = RoundOut(spread(out.tokens, -1), spread(out.count, 0), spread(out.proposed, 0), logprobs)
+    return put_lanes(state, new, order), out
+
+
+def _choose(logits: jax.Array, rows: jax.Array, positions: jax.Array, state: LaneState, spec: RoundSpec,
+            full: tuple[LaneState, jax.Array] | None):
+    """Each row's token, its grammar state and logprobs. With `full` (the whole state, the bucket's lane ids) the
+    rows are spread back over every lane first: sampling and logprobs reduce over the vocabulary, and XLA's
+    arithmetic there may follow the array's shape, so they always see [capacity, W, V]."""
+    if full is not None:
+        state, order = full
+        n = state.length.shape[0]
+        spread = lambda a: jnp.zeros((n, *a.shape[1:]), a.dtype).at[order].set(a)  # noqa: E731
+        logits, rows, positions = spread(logits), spread(rows), spread(positions)
+    scores, row_gstates = choose_scores(logits, rows, state, spec.processors)
+    chosen = sampling.sample(scores, positions, state.sampling)  # [L, W]
+    logprobs = sampling.logprobs(logits, chosen, state.proc.logprobs) if spec.processors and state.proc is not None \
+        else None
+    if full is not None:
+        take = lambda a: a[order]  # noqa: E731
+        chosen = take(chosen)
+        row_gstates = None if row_gstates is None else take(row_gstates)
+        logprobs = None if logprobs is None else jax.tree.map(take, logprobs)
+    return chosen, row_gstates, logprobs
+
+
+def _round(target_def, target_params, drafter_def, drafter_params, state: LaneState, spec: RoundSpec,
+           full: tuple[LaneState, jax.Array] | None = None) -> tuple[LaneState, RoundOut]:
     cfg = spec.lanes
-    n_lanes, width, context = cfg.capacity, cfg.width, cfg.context
+    n_lanes, width, context = state.length.shape[0], cfg.width, cfg.context
     n_prop = width - 1
     lanes = jnp.arange(n_lanes)
     length = state.length
@@ -159,9 +237,8 @@ def lane_round(target_def, target_params, drafter_def, drafter_params, state: La
     logits, cache, traces, *taps = _forward(target_def, target_params, rows, start, jnp.full_like(start, width),
                                             state.cache, mode)
     positions = length[:, None] + jnp.arange(width)[None, :]
-    scores, row_gstates = choose_scores(logits, rows, state)
-    chosen = sampling.sample(scores, positions, state.sampling)  # [L, W]
-    logprobs = None if state.proc is None else sampling.logprobs(logits, chosen, state.proc.logprobs)
+    chosen, row_gstates, logprobs = _choose(logits, rows, positions, state, spec, full)  # [L, W]
+    processed = spec.processors and state.proc is not None
 
     # 3. accept: leading proposals that equal the target's own token, then the bonus token
     agree = (proposals == chosen[:, :n_prop]) & (jnp.arange(n_prop)[None, :] < count[:, None])
@@ -192,19 +269,23 @@ def lane_round(target_def, target_params, drafter_def, drafter_params, state: La
 
         block = jax.lax.cond(jnp.any(wanted), draft, lambda _: state.block, None)
     proc, gstate = state.proc, state.gstate
-    if proc is not None:
+    if processed:  # off, no live lane reads its counts: a lane that needs them turns `processors` on while it lives
         proc = sampling.add_tokens(proc, chosen, keep)
-    if state.grammar is not None:
+    if spec.processors and state.grammar is not None:
         gstate = grammar.advance(state.grammar, row_gstates, chosen, committed, state.gstate)
     new = dataclasses.replace(state, history=history, length=length + committed, cache=cache,
                               draft_cache=draft_cache, draft_len=draft_len, block=block, proc=proc, gstate=gstate)
     return new, RoundOut(jnp.where(keep, chosen, -1), committed, count, logprobs)
 
 
-def choose_scores(logits: jax.Array, rows: jax.Array, state: LaneState) -> tuple[jax.Array, jax.Array | None]:
+def choose_scores(logits: jax.Array, rows: jax.Array, state: LaneState,
+                  processors: bool = True) -> tuple[jax.Array, jax.Array | None]:
     """The scores rows [L, R] are sampled from: f32 logits after the lanes' processors and grammar masks,
-    each row seeing its lane's committed tokens plus the proposals before it; also the rows' grammar states."""
+    each row seeing its lane's committed tokens plus the proposals before it; also the rows' grammar states.
+    `processors=False`: the plain logits (no lane uses either, and lanes without them get their logits bit for bit)."""
     scores = logits.astype(jnp.float32)
+    if not processors:
+        return scores, None
     if state.proc is not None:
         scores = sampling.apply_processors(scores, rows, state.proc)
     states = None
@@ -238,11 +319,14 @@ def lanes_wanting_a_block(history: jax.Array, length: jax.Array, live: jax.Array
     return live & (copied == 0)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("graphdef", "pages"), donate_argnames=("cache",))
 def prefill_chunk(graphdef, params, cache: Cache, lane: jax.Array, tokens: jax.Array, start: jax.Array,
-                  valid: jax.Array) -> tuple[jax.Array, Cache]:
-    """Feed one prompt chunk [1, C] of one lane; logits [1, V] of its last valid row."""
+                  valid: jax.Array, pages: int | None = None) -> tuple[jax.Array, Cache]:
+    """Feed one prompt chunk [1, C] of one lane; logits [1, V] of its last valid row. `pages`: the lane's first
+    pages, which hold every key the chunk reads and writes (None: all of them)."""
     sub = _lane_cache(cache, lane)
+    if pages is not None:
+        sub = dataclasses.replace(sub, page_table=sub.page_table[:, :pages])
     sub = dataclasses.replace(sub, layers=[_reset_if_first(l, start) for l in sub.layers])
     logits, sub, _ = _forward(graphdef, params, tokens, start[None], valid[None], sub, PROMPT)
     return logits, _put_lane(cache, sub, lane)

@@ -1,0 +1,81 @@
+"""A round costs what its live lanes hold: idle lanes, unused processors, prompt padding and unread keys cost
+nothing, and none of these savings changes a lane's numbers."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import attention as pk
+from tfjax.engine import Engine, Request
+from tfjax.lanes.config import LaneConfig
+
+LANES = LaneConfig(capacity=4, width=5, context=192, page_size=16)
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 250, n).tolist()
+
+
+def test_a_round_computes_the_live_lanes_in_a_power_of_two_bucket(target):
+    runner = Engine(target, LANES, eos_ids=()).runner
+    for live, lanes in [({2}, (2,)), ({0, 3}, (0, 3)), ({1, 2, 3}, None), ({0, 1, 2, 3}, None)]:
+        runner.live = set(live)
+        assert runner.round_lanes() == lanes, live
+    runner.lanes = LaneConfig(capacity=8, width=5, context=192)
+    runner.live = {1, 6, 7}
+    assert runner.round_lanes() == (1, 6, 7, 0)
+
+
+def test_one_request_in_a_four_lane_engine_equals_a_one_lane_engine(target):
+    """The one-lane bucket of a wide engine runs what a one-lane engine runs, sampled too; and a second lane with
+    processors (the round recompiled with them) leaves the first lane's tokens as they were alone."""
+    req = dict(prompt=_prompt(1, 23), max_tokens=12, temperature=1.0, top_k=20, seed=3)
+    wide = Engine(target, LANES, eos_ids=()).run([Request(**req)])[0]
+    narrow = Engine(target, LaneConfig(capacity=1, width=5, context=192), eos_ids=()).run([Request(**req)])[0]
+    assert wide.token_ids == narrow.token_ids
+    beside = Engine(target, LANES, eos_ids=()).run([Request(**req), Request(_prompt(2, 30), max_tokens=12,
+                                                                            presence_penalty=0.5, logprobs=True)])
+    assert beside[0].token_ids == wide.token_ids and beside[1].logprobs is not None
+
+
+def test_prompt_chunks_are_padded_to_a_bucket_of_their_length_and_pages(target):
+    runner = Engine(target, LaneConfig(capacity=1, width=5, context=1024), eos_ids=()).runner
+    shapes = lambda n, resume=0: [(t.shape[1], s, v, p) for t, s, v, p in runner._chunks(np.arange(n), resume)]  # noqa: E731
+    assert shapes(22) == [(32, 0, 22, 2)]
+    assert shapes(5) == [(16, 0, 5, 1)]
+    assert shapes(300) == [(256, 0, 256, 16), (64, 256, 44, 32)]
+    assert shapes(300, resume=256) == shapes(300)[1:]  # a resume runs the chunks a fresh prefill runs
+    assert shapes(1000)[-1] == (256, 768, 232, 64)  # never past the lane's pages
+
+
+def _pages(rng, n_pages, page=16, g=2, e=32):
+    return pk.KVPages(jnp.asarray(rng.standard_normal((n_pages, page, g, e)), jnp.float32),
+                      jnp.asarray(rng.standard_normal((n_pages, page, g, e)), jnp.float32))
+
+
+def test_row_attention_reads_only_its_keys_and_never_depends_on_the_table_width_or_other_lanes():
+    rng = np.random.default_rng(0)
+    pages = _pages(rng, 40)
+    table = jnp.asarray(rng.permutation(40)[:36].reshape(3, 12), jnp.int32)
+    q = jnp.asarray(rng.standard_normal((3, 4, 6, 32)), jnp.float32)
+    pos = jnp.asarray([[3, 4, 5, 6], [60, 61, 62, 63], [150, 151, 152, 153]], jnp.int32)
+    out = np.asarray(pk.paged_rows_reference(q, pages, table, pos))
+    k, v = pk.gather_pages(pages, table)
+    np.testing.assert_allclose(out, np.asarray(pk.attention_reference(q, k, v, pos)), atol=2e-6)
+    # lane 1's row 2 alone, through a table cut to its 4 pages, then a table of 12 pages of which 8 hold garbage
+    alone = pk.paged_rows_reference(q[1:2, 2:3], pages, table[1:2, :4], pos[1:2, 2:3])
+    wide = pk.paged_rows_reference(q[1:2, 2:3], pages, table[1:2].at[:, 4:].set(39), pos[1:2, 2:3])
+    assert np.array_equal(np.asarray(alone)[0, 0], out[1, 2]) and np.array_equal(np.asarray(wide)[0, 0], out[1, 2])
+
+
+def test_a_resumed_prompt_runs_the_bucketed_chunks_a_fresh_one_runs(target):
+    """70 tokens on a grid of 32: chunks of 32, 32 and a last one of 6 padded to 16 rows; a second turn resumes
+    at 64 and runs that last chunk as the fresh prefill did, so the tokens after it are the same."""
+    prompt = _prompt(70, 70)
+    engine = Engine(target, LANES, eos_ids=(), prefix_cache_gb=0.01, prefill_chunk=32)
+    engine.run([Request(prompt, max_tokens=2)])
+    again = engine.run([Request(prompt, max_tokens=6)])[0]
+    fresh = Engine(target, LANES, eos_ids=(), prefill_chunk=32).run([Request(prompt, max_tokens=6)])[0]
+    assert again.cached_tokens == 64
+    assert again.token_ids == fresh.token_ids

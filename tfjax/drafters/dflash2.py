@@ -325,13 +325,15 @@ class DFlashDrafter(nnx.Module):
         self.facts = facts_for(self.config, target, long_match)
         return self
 
-    def init_cache(self, lanes: int, context: int, page_size: int = 16, pages: int | None = None) -> Cache:
+    def init_cache(self, lanes: int, context: int, page_size: int = 16, pages: int | None = None,
+                   kv_dtype=None) -> Cache:
         """Empty paged context K/V for every layer (identity page tables)."""
         c = self.config
+        kv_dtype = kv_dtype or c.dtype
         per_lane = -(-context // page_size)
         pages = lanes * per_lane if pages is None else pages
         shape = (pages, page_size, c.num_key_value_heads, c.head_dim)
-        layers = [KVPages(jnp.zeros(shape, c.dtype), jnp.zeros(shape, c.dtype)) for _ in range(c.num_hidden_layers)]
+        layers = [KVPages(jnp.zeros(shape, kv_dtype), jnp.zeros(shape, kv_dtype)) for _ in range(c.num_hidden_layers)]
         return Cache(layers, jnp.arange(lanes * per_lane, dtype=jnp.int32).reshape(lanes, per_lane) % pages)
 
     @ops.own_kernels

@@ -51,9 +51,11 @@ class Runner:
     def reset(self) -> None:
         """Fresh lane state: every lane idle, caches empty (also the way back from a failed device call)."""
         lanes, (target, drafter) = self.lanes, self._models
-        cache = target.init_cache(lanes.capacity, lanes.context, lanes.page_size, self.pages)
+        cache = target.init_cache(lanes.capacity, lanes.context, lanes.page_size, self.pages,
+                                  kv_dtype=kv_dtype(target))
         draft_cache = None if drafter is None else drafter.init_cache(lanes.capacity, lanes.context,
-                                                                       lanes.page_size, self.pages)
+                                                                       lanes.page_size, self.pages,
+                                                                       kv_dtype=kv_dtype(drafter))
         n = lanes.capacity
         self.state = lane_round_mod.LaneState(
             history=jnp.zeros((n, lanes.context), jnp.int32), length=jnp.ones((n,), jnp.int32),
@@ -245,6 +247,15 @@ def _first_token(logits: jax.Array, position: jax.Array, params: sampling.Sampli
     return token[:, 0], sampling.logprobs(logits[:, None, :], token, proc.logprobs)
 
 
+def kv_dtype(model) -> jnp.dtype | None:
+    """The KV pages' dtype: the model's, except float32 on the CPU, where XLA widens a 16-bit pool around every
+    write (one pass over the whole pool a layer, measured by scripts/probes/cpu_pool_write.py) but updates a
+    float32 pool in place."""
+    if jax.default_backend() == "cpu" and jnp.dtype(model.config.dtype).itemsize < 4:
+        return jnp.dtype(jnp.float32)
+    return None
+
+
 def cache_bytes(models_: tuple, page_size: int) -> tuple[int, int]:
     """Bytes of one KV page (every attention layer of each model) and of one snapshot (a lane's DeltaNet state in
     each); a snapshot of 0 bytes means a prefix resume needs pages only."""
@@ -252,7 +263,7 @@ def cache_bytes(models_: tuple, page_size: int) -> tuple[int, int]:
     for model in models_:
         if model is None:
             continue
-        shapes = jax.eval_shape(lambda m=model: m.init_cache(1, page_size, page_size, 1))
+        shapes = jax.eval_shape(lambda m=model: m.init_cache(1, page_size, page_size, 1, kv_dtype=kv_dtype(m)))
         for layer in shapes.layers:
             size = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(layer))
             if isinstance(layer, DeltaState):

@@ -12,18 +12,23 @@ from pathlib import Path
 import numpy as np
 
 
+def call_times(call, reps: int) -> list[float]:
+    """Seconds of each of `reps` calls of `call()` (which waits for its own result), after two warm-up calls."""
+    call()
+    call()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        call()
+        ts.append(time.perf_counter() - t0)
+    return ts
+
+
 def median_time(fn, args, reps: int = 20) -> float:
     """Median seconds of `fn(*args)` over `reps` synchronised calls, after a compile and a warm-up call."""
     import jax  # lazily: bench_graph's torch peer section runs without jax
 
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
+    return float(np.median(call_times(lambda: jax.block_until_ready(fn(*args)), reps)))
 
 
 def device_time(fn, args, match: str | None, calls: int = 3, per_call: int = 1) -> float:

@@ -7,20 +7,15 @@ Copy bandwidth counts bytes read + written. Every "% of roofline" is stated agai
 from __future__ import annotations
 
 import functools
-import time
 
 import numpy as np
+
+from tfjax.profiling import call_times
 
 
 def spread(fn, reps: int) -> tuple[float, float, float]:
     """(median, min, max) seconds of `fn()` after two warm-up calls; fn synchronises itself."""
-    fn()
-    fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
+    ts = call_times(fn, reps)
     return float(np.median(ts)), min(ts), max(ts)
 
 

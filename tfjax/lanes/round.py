@@ -31,7 +31,7 @@ from tfjax import grammar, models, sampling
 from tfjax.lanes.config import LaneConfig
 from tfjax.lanes.copies import propose_copies
 from tfjax.lanes.drafter import RoundFacts
-from tfjax.models.decoder import Cache, DeltaState, replay
+from tfjax.models.decoder import Cache, DeltaState, lanes_cache, put_lanes_cache, replay
 from tfjax.models.decoder import lane_cache as _lane_cache
 from tfjax.models.decoder import put_lane as _put_lane
 from tfjax.models.decoder import reset_if_first as _reset_if_first
@@ -124,23 +124,6 @@ def _draft_chain(graphdef, params, state: LaneState, width: int, context: int):
     return jnp.stack(drafts, axis=1), stack
 
 
-def _cache_take(cache: Cache | None, order: jax.Array) -> Cache | None:
-    """The lanes `order` of a cache: their DeltaNet slots and page-table rows (KV pools are shared)."""
-    if cache is None:
-        return None
-    layers = [DeltaState(l.conv[order], l.state[order]) if isinstance(l, DeltaState) else l for l in cache.layers]
-    return Cache(layers, cache.page_table[order])
-
-
-def _cache_put(cache: Cache | None, sub: Cache | None, order: jax.Array) -> Cache | None:
-    """`cache` with the lanes `order` written back from `sub` (KV pools taken from `sub`)."""
-    if cache is None:
-        return None
-    layers = [DeltaState(l.conv.at[order].set(s.conv), l.state.at[order].set(s.state)) if isinstance(l, DeltaState)
-              else s for l, s in zip(cache.layers, sub.layers, strict=True)]
-    return Cache(layers, cache.page_table.at[order].set(sub.page_table))
-
-
 _SHARED = ("cache", "draft_cache", "grammar")  # not indexed by lane (caches: per-lane parts handled apart)
 
 
@@ -148,16 +131,16 @@ def take_lanes(state: LaneState, order: jax.Array) -> LaneState:
     """The state of lanes `order` [B] only (B distinct lane ids)."""
     per_lane = {f.name: jax.tree.map(lambda a: a[order], getattr(state, f.name))
                 for f in dataclasses.fields(state) if f.name not in _SHARED}
-    return dataclasses.replace(state, **per_lane, cache=_cache_take(state.cache, order),
-                               draft_cache=_cache_take(state.draft_cache, order))
+    return dataclasses.replace(state, **per_lane, cache=lanes_cache(state.cache, order),
+                               draft_cache=None if state.draft_cache is None else lanes_cache(state.draft_cache, order))
 
 
 def put_lanes(state: LaneState, sub: LaneState, order: jax.Array) -> LaneState:
     """`state` with lanes `order` replaced by `sub`'s rows (shared pools and the grammar table from `sub`)."""
     per_lane = {f.name: jax.tree.map(lambda a, b: a.at[order].set(b), getattr(state, f.name), getattr(sub, f.name))
                 for f in dataclasses.fields(state) if f.name not in _SHARED}
-    return dataclasses.replace(sub, **per_lane, cache=_cache_put(state.cache, sub.cache, order),
-                               draft_cache=_cache_put(state.draft_cache, sub.draft_cache, order))
+    draft = None if state.draft_cache is None else put_lanes_cache(state.draft_cache, sub.draft_cache, order)
+    return dataclasses.replace(sub, **per_lane, cache=put_lanes_cache(state.cache, sub.cache, order), draft_cache=draft)
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "spec"), donate_argnames=("state",))
@@ -170,10 +153,15 @@ def lane_round(target_def, target_params, drafter_def, drafter_params, state: La
     new, out = _round(target_def, target_params, drafter_def, drafter_params, take_lanes(state, order), spec,
                       (state, order))
     n = state.length.shape[0]
-    spread = lambda a, fill: jnp.full((n, *a.shape[1:]), fill, a.dtype).at[order].set(a)  # noqa: E731
-    logprobs = None if out.logprobs is None else jax.tree.map(lambda a: spread(a, 0), out.logprobs)
-    out = RoundOut(spread(out.tokens, -1), spread(out.count, 0), spread(out.proposed, 0), logprobs)
+    logprobs = None if out.logprobs is None else jax.tree.map(lambda a: _spread(a, order, n), out.logprobs)
+    out = RoundOut(_spread(out.tokens, order, n, -1), _spread(out.count, order, n), _spread(out.proposed, order, n),
+                   logprobs)
     return put_lanes(state, new, order), out
+
+
+def _spread(a: jax.Array, order: jax.Array, n: int, fill=0) -> jax.Array:
+    """Rows of lanes `order` placed among `n` lanes, the others `fill`."""
+    return jnp.full((n, *a.shape[1:]), fill, a.dtype).at[order].set(a)
 
 
 def _choose(logits: jax.Array, rows: jax.Array, positions: jax.Array, state: LaneState, spec: RoundSpec,
@@ -184,8 +172,7 @@ def _choose(logits: jax.Array, rows: jax.Array, positions: jax.Array, state: Lan
     if full is not None:
         state, order = full
         n = state.length.shape[0]
-        spread = lambda a: jnp.zeros((n, *a.shape[1:]), a.dtype).at[order].set(a)  # noqa: E731
-        logits, rows, positions = spread(logits), spread(rows), spread(positions)
+        logits, rows, positions = (_spread(a, order, n) for a in (logits, rows, positions))
     scores, row_gstates = choose_scores(logits, rows, state, spec.processors)
     chosen = sampling.sample(scores, positions, state.sampling)  # [L, W]
     logprobs = sampling.logprobs(logits, chosen, state.proc.logprobs) if spec.processors and state.proc is not None \

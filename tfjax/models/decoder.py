@@ -202,18 +202,28 @@ class CausalLM(nnx.Module):
         return logits
 
 
+def lanes_cache(cache: Cache, lanes: jax.Array) -> Cache:
+    """A view of the lanes `lanes` [B]: their DeltaNet slots and page-table rows (KV pools are shared)."""
+    layers = [DeltaState(l.conv[lanes], l.state[lanes]) if isinstance(l, DeltaState) else l for l in cache.layers]
+    return Cache(layers, cache.page_table[lanes])
+
+
+def put_lanes_cache(cache: Cache, sub: Cache, lanes: jax.Array) -> Cache:
+    """`cache` with a view's DeltaNet slots written back to `lanes` (KV pools taken from the view; page tables are
+    only read by a forward, so `cache`'s stay)."""
+    layers = [DeltaState(l.conv.at[lanes].set(s.conv), l.state.at[lanes].set(s.state))
+              if isinstance(l, DeltaState) else s for l, s in zip(cache.layers, sub.layers, strict=True)]
+    return Cache(layers, cache.page_table)
+
+
 def lane_cache(cache: Cache, lane: jax.Array) -> Cache:
-    """A one-lane view: the lane's DeltaNet slots and page-table row (KV pools are shared)."""
-    layers = [DeltaState(l.conv[lane][None], l.state[lane][None]) if isinstance(l, DeltaState) else l
-              for l in cache.layers]
-    return Cache(layers, cache.page_table[lane][None])
+    """A one-lane view (`lanes_cache` of [lane])."""
+    return lanes_cache(cache, jnp.reshape(lane, (1,)))
 
 
 def put_lane(cache: Cache, sub: Cache, lane: jax.Array) -> Cache:
-    """`cache` with a one-lane view's DeltaNet slots written back to `lane` (KV pools taken from the view)."""
-    layers = [DeltaState(l.conv.at[lane].set(s.conv[0]), l.state.at[lane].set(s.state[0]))
-              if isinstance(l, DeltaState) else s for l, s in zip(cache.layers, sub.layers, strict=True)]
-    return Cache(layers, cache.page_table)
+    """`cache` with a one-lane view written back to `lane` (`put_lanes_cache` of [lane])."""
+    return put_lanes_cache(cache, sub, jnp.reshape(lane, (1,)))
 
 
 def reset_if_first(layer, start):

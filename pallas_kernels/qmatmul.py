@@ -249,10 +249,10 @@ def reference(x, weight, scales, biases, *, bits: int = 4, group_size: int = 64)
 # --- The kernel-layout version (weights repacked once by `quant.to_kernel_layout`) ---
 # Per K tile of T = (32 // bits) * group_size inputs, bit field j of the tile's group_size words is
 # group j of the tile, so the unpack is one shift and mask per field on a [block_n, group_size] word
-# tile, with one scale and bias per output (a contiguous row of the transposed scales). With `fold`, the
-# dot runs on the raw integers q (exact in bf16) and the group's affine map is applied to the [M, N]
+# tile, with one scale and bias per output (a contiguous row of the transposed scales). The dot runs on the
+# raw integers q (exact in bf16) and the group's affine map is applied to the [M, N]
 # partial: sum_k x_k (s q_k + b) = s * dot(x, q) + b * sum_k x_k, which moves the per-weight multiply-add
-# to a per-output one. Row invariance as above: tiles, fields and split come from the weight's shape.
+# to a per-output one (measured: dequantizing into the operand first was slower, docs/kernels_qmatmul.md). Row invariance as above: tiles, fields and split come from the weight's shape.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,20 +264,14 @@ class TiledBlockSizes:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    swap: bool = True  # the weight tile as the MMA's left operand (out.T = W @ x.T): measured 1.4-1.6x faster
-    fold: bool = True  # dot with raw q, then scale and add bias * sum(x) per group
     # How a field q becomes the MMA operand: "convert" (int -> f32 -> x.dtype; one I2F per weight, which sm_90
     # runs at a quarter of the ALU rate), "magic" (q OR-ed into 2^23's mantissa, minus 2^23: the same values
-    # without I2F, bit-identical), "bf16" (q OR-ed into bf16 128's mantissa and reinterpreted: 128 + q, exact,
-    # no float op at all; with fold the 128 * sum(x) it adds is taken off each group's f32 partial; 4-bit),
-    # "pairs" (as bf16, two weights per shift-AND-OR of a word: needs `quant.to_pair_layout`'s weights).
+    # without I2F, bit-identical; experimental, untimed), "pairs" (q OR-ed into bf16 128's mantissa: 128 + q, exact,
+    # two weights per shift-AND-OR of a word: needs `quant.to_pair_layout`'s weights; 4-bit).
     unpack: str = "convert"
-    # with fold: each group's sum(x) computed before the kernel (`group_sums`: elementwise adds in a fixed
-    # order, row-invariant) instead of by every program for every field (~a third of the pairs kernel's SASS)
+    # each group's sum(x) computed before the kernel (`group_sums`: elementwise adds in a fixed order,
+    # row-invariant) instead of by every program for every field (~a third of the pairs kernel's SASS)
     sums_outside: bool = False
-    # the next tile's scales, biases (and group sums) loaded one tile ahead and carried: plain loads that Triton's
-    # pipeliner leaves alone otherwise wait a DRAM latency every tile (the same arithmetic: bit-identical)
-    prefetch: bool = False
     # most K splits `for_weight` picks (more partials cost an [M, N] f32 each)
     max_split: int = 8
 
@@ -304,12 +298,6 @@ class TiledBlockSizes:
 # `for_weight` keywords of the pair layout's dispatch. With packed scales the kernel holds 85 registers, 5 programs
 # an SM; >= 1056 programs (2 waves) beat 528 (1.03 waves: a tail of 16) on the H200 (docs/benchmarks.md, fourth run)
 PAIRS_POLICY = dict(programs=1056, unpack="pairs", sums_outside=True)
-
-
-def _bf16_offset_fields(words, j, bits, dtype):
-    """Field j of uint32 `words` as bf16 ``128 + q`` (exact for q < 128), cast to `dtype`: no float op."""
-    v = ((words >> jnp.uint32(bits * j)) & jnp.uint32((1 << bits) - 1)) | jnp.uint32(0x4300)
-    return lax.bitcast_convert_type(v.astype(jnp.uint16), jnp.bfloat16).astype(dtype)
 
 
 def _bf16_offset_pairs(words, j, dtype):
@@ -342,8 +330,8 @@ def group_sums(x: jax.Array, group_size: int) -> jax.Array:
     return acc
 
 
-def _tiled_kernel(x_ref, *refs, m, bits, group_size, tiles_per_split, swap, fold, unpack="convert",
-                  sums_outside=False, prefetch=False, packed_scales=False):
+def _tiled_kernel(x_ref, *refs, m, bits, group_size, tiles_per_split, unpack="convert", sums_outside=False,
+                  packed_scales=False):
     # x_ref [block_m, K]; (xs_ref [block_m, K // group_size] f32 with sums_outside); w_ref [block_n, K * bits // 32]
     # uint32; s_ref, b_ref [K // group_size, block_n] (with packed_scales one uint32 ref, `quant.pack_scale_bias`);
     # o_ref [block_m, block_n]
@@ -356,19 +344,17 @@ def _tiled_kernel(x_ref, *refs, m, bits, group_size, tiles_per_split, swap, fold
     words_per_tile = tile * bits // 32
     row_mask = (pl.program_id(0) * block_m + jnp.arange(block_m) < m)[:, None]  # [block_m, 1]
     first = pl.program_id(2) * tiles_per_split
-    offset = unpack in ("bf16", "pairs")  # weights are 128 + q; fold takes 128 * sum(x) off
+    offset = unpack == "pairs"  # weights are 128 + q; the fold takes 128 * sum(x) off
 
-    def weights(words, j, s, b, dtype):  # group j of the tile as the MMA operand [bn, g]
+    def weights(words, j, dtype):  # group j of the tile as the MMA operand [bn, g]: the raw integers q (or 128 + q)
         if unpack == "pairs":
             return _bf16_offset_pairs(words, j, dtype)
-        if unpack == "bf16":
-            return _bf16_offset_fields(words, j, bits, dtype)
         q = (words >> jnp.uint32(bits * j)) & jnp.uint32((1 << bits) - 1)  # [bn, g]
         if unpack == "magic":
             q = lax.bitcast_convert_type(q | jnp.uint32(_MAGIC), jnp.float32) - jnp.float32(2.0**23)
         else:
             q = q.astype(jnp.int32).astype(jnp.float32)
-        return q.astype(dtype) if fold else (q * s[:, None] + b[:, None]).astype(dtype)
+        return q.astype(dtype)
 
     def group_vectors(kt):  # per field of tile kt: its scales and biases [bn] (and group sums [bm])
         out = []
@@ -383,42 +369,25 @@ def _tiled_kernel(x_ref, *refs, m, bits, group_size, tiles_per_split, swap, fold
                 out.append((s_ref[g, :], b_ref[g, :], xs))
         return tuple(out)
 
-    def body(t, carry):
-        acc, vectors = carry
+    def body(t, acc):  # acc [bn, bm]: the weight tile is the MMA's left operand (out.T = W @ x.T, 1.4-1.6x faster)
         kt = first + t
-        if prefetch:  # the next tile's vectors load now and land during this tile's work (same arithmetic)
-            carry_on = group_vectors(jnp.minimum(kt + 1, first + tiles_per_split - 1))
-        else:
-            vectors, carry_on = group_vectors(kt), ()
+        vectors = group_vectors(kt)
         words = w_ref[:, pl.ds(kt * words_per_tile, words_per_tile)]  # [bn, words] uint32
         for j in range(fields):
             x = plgpu.load(x_ref.at[:, pl.ds(kt * tile + j * group_size, group_size)], mask=row_mask, other=0)
             s, b, xs = vectors[j]
             s, b = s.astype(jnp.float32), b.astype(jnp.float32)  # [bn]
-            w = weights(words, j, s, b, x.dtype)
-            if swap:  # [bn, bm]
-                d = lax.dot_general(w, x, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-            else:  # [bm, bn]
-                d = lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-            if not fold:
-                acc = acc + d
-                continue
+            d = lax.dot_general(weights(words, j, x.dtype), x, (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32)  # [bn, bm]
             if not sums_outside:
                 xs = jnp.sum(x.astype(jnp.float32), axis=1)  # [bm]
             if offset:  # s * (d - 128 xs) + b xs = s d + (b - 128 s) xs
                 b = b - jnp.float32(128.0) * s
-            if swap:  # two FMAs per output: (acc + d s) + b xs
-                acc = acc + d * s[:, None] + b[:, None] * xs[None, :]
-            else:
-                acc = acc + d * s[None, :] + xs[:, None] * b[None, :]
-        return acc, carry_on
+            acc = acc + d * s[:, None] + b[:, None] * xs[None, :]  # two FMAs per output: (acc + d s) + b xs
+        return acc
 
-    shape = (block_n, block_m) if swap else (block_m, block_n)
-    init = (jnp.zeros(shape, jnp.float32), group_vectors(first) if prefetch else ())
-    acc, _ = lax.fori_loop(0, tiles_per_split, body, init)
-    if swap:
-        acc = acc.T
-    plgpu.store(o_ref, acc.astype(o_ref.dtype), mask=row_mask)
+    acc = lax.fori_loop(0, tiles_per_split, body, jnp.zeros((block_n, block_m), jnp.float32))
+    plgpu.store(o_ref, acc.T.astype(o_ref.dtype), mask=row_mask)
 
 
 def _check_tiled(x, weight, scales, biases, bits, group_size, bs: TiledBlockSizes):
@@ -446,10 +415,10 @@ def _check_tiled(x, weight, scales, biases, bits, group_size, bs: TiledBlockSize
         raise ValueError(f"N={n} must be a multiple of block_n={bs.block_n}")
     if k % (tile * bs.split_k):
         raise ValueError(f"K={k} must be a multiple of tile*split_k={tile}*{bs.split_k}")
-    if bs.unpack not in ("convert", "magic", "bf16", "pairs"):
-        raise ValueError(f"unpack={bs.unpack!r} must be 'convert', 'magic', 'bf16' or 'pairs'")
-    if bs.unpack in ("bf16", "pairs") and not (bs.fold and bits == 4):
-        raise ValueError(f"unpack={bs.unpack!r} needs fold=True and bits=4 (128 + q exact in bf16), got {bs.fold=} {bits=}")
+    if bs.unpack not in ("convert", "magic", "pairs"):
+        raise ValueError(f"unpack={bs.unpack!r} must be 'convert', 'magic' or 'pairs'")
+    if bs.unpack == "pairs" and bits != 4:
+        raise ValueError(f"unpack='pairs' needs bits=4 (128 + q exact in bf16), got {bits=}")
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_sizes", "interpret"))
@@ -474,11 +443,10 @@ def qmatmul_tiled(
     m = x2.shape[0]
     split = bs.split_k
     tiles_per_split = k // tile_inputs(bits, group_size, bs.unpack) // split
-    sums = bs.fold and bs.sums_outside
+    sums = bs.sums_outside
     packed = biases is None
     kernel = functools.partial(_tiled_kernel, m=m, bits=bits, group_size=group_size, tiles_per_split=tiles_per_split,
-                               swap=bs.swap, fold=bs.fold, unpack=bs.unpack, sums_outside=sums, prefetch=bs.prefetch,
-                               packed_scales=packed)
+                               unpack=bs.unpack, sums_outside=sums, packed_scales=packed)
     out_shape, out_spec = _split_output(m, n, x.dtype, bs)
     ng = k // group_size
     rows_spec = [pl.BlockSpec((bs.block_m, k), lambda i, j, s: (i, 0))]

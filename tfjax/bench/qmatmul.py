@@ -56,36 +56,29 @@ def qbytes(m, n, k):
 
 
 def sweep_tiled():
-
-    out = []
-    for bn, swap, fold, nw, ns, prog in [
-        (64, False, True, 4, 3, 264), (64, True, True, 4, 3, 264), (64, False, False, 4, 3, 264),
-        (64, True, False, 4, 3, 264), (128, True, True, 4, 3, 264), (32, False, True, 4, 3, 264),
-        (64, False, True, 4, 4, 528), (64, True, True, 8, 3, 264), (128, True, True, 8, 4, 528),
-        (64, False, True, 2, 3, 264), (32, True, True, 4, 4, 528), (64, True, True, 4, 2, 132),
-    ]:  # fmt: skip
-        out.append(dict(block_n=bn, swap=swap, fold=fold, num_warps=nw, num_stages=ns, programs=prog))
-    # the unpack through 2^23's mantissa (no I2F; bit-identical, untimed before): on the two best of run 2
-    out += [dict(out[i], unpack="magic") for i in (1, 2)]
-    return out
+    """The kernel layout's tiles: block_n, warps, stages and programs (swap and fold won 2026-12-03 and are the kernel)."""
+    out = [dict(block_n=bn, num_warps=nw, num_stages=ns, programs=prog) for bn, nw, ns, prog in [
+        (64, 4, 3, 264), (128, 4, 3, 264), (64, 8, 3, 264), (128, 8, 4, 528), (32, 4, 4, 528), (64, 4, 2, 132),
+    ]]  # fmt: skip
+    # the unpack through 2^23's mantissa (no I2F; bit-identical, untimed before): on the two first
+    return out + [dict(out[i], unpack="magic") for i in (0, 1)]
 
 
 def sweep_unpack():
-    """The unpack variants (2026-12-04): bf16 128 + q fields, then two weights a LOP3 (pair layout), by split and stages."""
-    base = dict(block_n=64, swap=True, fold=True, num_warps=4, num_stages=3, programs=264)
+    """The pair layout (two weights a LOP3, 128 + q in bf16) by split, stages and tiles, beside the kernel layout."""
+    base = dict(block_n=64, num_warps=4, num_stages=3, programs=264)
     pairs = dict(base, unpack="pairs", sums_outside=True)
-    return [pairs, base, dict(base, unpack="bf16", sums_outside=True), dict(pairs, sums_outside=False),
-            dict(pairs, programs=528), dict(pairs, programs=1056), dict(pairs, num_stages=4),
-            dict(pairs, block_n=128, num_warps=8)]
+    return [pairs, base, dict(pairs, sums_outside=False), dict(pairs, programs=528), dict(pairs, programs=1056),
+            dict(pairs, num_stages=4), dict(pairs, block_n=128, num_warps=8)]
 
 
 def sweep_options():
-    """The pair kernel's untimed options (2026-12-03): scales a tile ahead, K split up to 34 ways, sums in the kernel;
-    each twice, interleaved, since identical configs drifted up to 25% between runs."""
+    """The pair kernel's options: K split up to 34 ways, sums in the kernel; each twice, interleaved, since identical
+    configs drifted up to 25% between runs."""
     from pallas_kernels import qmatmul as qm
 
-    pairs = dict(block_n=64, swap=True, fold=True, num_warps=4, num_stages=3, **qm.PAIRS_POLICY)  # the dispatch's
-    options = [pairs, dict(pairs, prefetch=True), dict(pairs, programs=1056, max_split=34), dict(pairs, sums_outside=False)]
+    pairs = dict(block_n=64, num_warps=4, num_stages=3, **qm.PAIRS_POLICY)  # the dispatch's
+    options = [pairs, dict(pairs, programs=1056, max_split=34), dict(pairs, sums_outside=False)]
     return options + [dict(o, again=True) for o in options]
 
 
@@ -107,7 +100,7 @@ def qmatmul_section(sweep: bool | str, ms=(1, 4, 16, 64)):
     from pallas_kernels import qmatmul as qm
 
     bw = RESULTS["copy_GBps"] * 1e9
-    policy = dict(block_n=64, swap=True, fold=True, num_warps=4, num_stages=3, **qm.PAIRS_POLICY, packed=True)  # dispatch
+    policy = dict(block_n=64, num_warps=4, num_stages=3, **qm.PAIRS_POLICY, packed=True)  # dispatch
     if sweep:
         scores = {}
         candidates = {"unpack": sweep_unpack, "options": sweep_options}.get(sweep, sweep_tiled)()

@@ -88,15 +88,18 @@ def test_constrained_replies_validate_and_drafted_equals_plain_beside_free_lanes
 
 def test_row_states_walk_the_proposals_and_mask_forbidden_tokens(grammars):
     g = grammars.compile({"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}})
-    table, pieces = jnp.asarray(g.next), ByteTokenizer().pieces
+    packed = grammar.Table(256)
+    assert packed.place(g) == g.initial
+    table, pieces = packed.device(grammar.capacity_for(packed.size), 1), ByteTokenizer().pieces
     brace, quote_ok, space = pieces.index("{"), pieces.index('"ok"'), pieces.index(" ")
     rows = jnp.asarray([[0, brace, space], [0, quote_ok, space]], jnp.int32)  # lane 1: '"ok"' first is not JSON
-    states = np.asarray(grammar.row_states(table, jnp.asarray([g.initial, g.initial], jnp.int32), rows))
+    pos = grammar.row_states(table, grammar.start(jnp.asarray([g.initial, g.initial], jnp.int32)), rows)
+    states = np.asarray(pos.state)
     s1 = g.next[g.initial, brace]
     assert states[0].tolist() == [g.initial, s1, g.next[s1, space]]
     assert states[1].tolist() == [g.initial, -1, -1]  # after a forbidden proposal the rows are free
     logits = jnp.asarray(np.random.default_rng(1).normal(size=(2, 3, 256)), jnp.float32)
-    masked = np.asarray(grammar.mask_logits(logits, table, jnp.asarray(states)))
+    masked = np.asarray(grammar.mask_logits(logits, table, pos))
     assert np.array_equal(np.isfinite(masked[0, 0]), g.next[g.initial] >= 0)
     assert np.isfinite(masked[0, 0, brace]) and not np.isfinite(masked[0, 0, quote_ok])
     assert np.array_equal(masked[1, 1:], np.asarray(logits[1, 1:]))

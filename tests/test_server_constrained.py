@@ -5,7 +5,6 @@ none, a constrained tool request drafts exactly, and each streamed chunk carries
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 
@@ -134,15 +133,17 @@ def test_streamed_logprobs_come_with_each_chunk_and_equal_the_whole_reply(client
 
 
 def test_json_object_accepts_nested_objects_and_arrays_to_its_documented_depth():
-    from tfjax import grammar
+    from tfjax.json_pushdown import MAX_DEPTH, accepts
 
-    rx = grammar._json_object_regex()
-    assert grammar.JSON_OBJECT_DEPTH == 1
-    for ok in ({"a": {"b": 1, "c": "x"}, "d": [True, 2.5, None, "y"], "e": {}},
-               {"list": [], "o": {"k": "v"}}, {}):
-        assert re.fullmatch(rx, json.dumps(ok)), ok
-    for too_deep in ({"a": {"b": {"c": 1}}}, {"a": [[1]]}, {"a": [{"b": 1}]}):
-        assert not re.fullmatch(rx, json.dumps(too_deep)), too_deep
+    for ok in ({"a": {"b": 1, "c": "x"}, "d": [True, 2.5, None, "y"], "e": {}}, {"list": [], "o": {"k": "v"}}, {},
+               {"a": {"b": {"c": {"d": {"e": [[{"f": [1, {"g": None}]}]]}}}}}, {"a": [{"b": 1}], "c": [[1]]}):
+        assert accepts(json.dumps(ok).encode()), ok
+    deepest = {"a": 1}
+    for i in range(MAX_DEPTH - 2):  # with {"a": 1} and the top object: MAX_DEPTH containers
+        deepest = {"k": deepest} if i % 2 else [deepest]
+    deepest = {"top": deepest}
+    assert accepts(json.dumps(deepest).encode())
+    assert not accepts(json.dumps({"top": [deepest["top"]]}).encode()), "one container past MAX_DEPTH"
 
 
 @pytest.mark.slow  # SmolLM2 (49k vocabulary, a real model): a minute or more per request on 2 cores

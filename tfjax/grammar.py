@@ -35,7 +35,7 @@ def schema_regex(schema: dict, what: str = "response_format schema") -> str:
 @dataclasses.dataclass(frozen=True)
 class TokenGrammar:
     """One compiled grammar: `next` [S, V] i32 (>= 0: the next state, -1: not allowed, <= -2: a pushdown code
-    into `outcomes` [O, 4], json_pushdown.py), its initial state."""
+    into `outcomes` [O, 5], json_pushdown.py), its initial state."""
 
     key: str
     next: np.ndarray
@@ -188,7 +188,7 @@ class Table:
         nxt = np.full((capacity, self.vocab_size), -1, np.int32)
         if self.rows:
             nxt[: self.size] = np.concatenate(self.rows)
-        outcomes = np.zeros((outcome_capacity, 4), np.int32)
+        outcomes = np.zeros((outcome_capacity, 5), np.int32)
         outcomes[:, 0] = -1
         if self.outcome_rows:
             outcomes[: self.outcomes] = np.concatenate(self.outcome_rows)
@@ -206,8 +206,8 @@ def outcome_capacity_for(outcomes: int) -> int:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Device:
-    """The packed grammars on the device: `next` [S, V] i32 (TokenGrammar's codes), `outcomes` [O, 4] i32
-    (next state or -1, pops, pushes, pushed bits)."""
+    """The packed grammars on the device: `next` [S, V] i32 (TokenGrammar's codes), `outcomes` [O, 5] i32
+    (next state or -1, pops, pushes, pushed bits, peak: json_pushdown.py)."""
 
     next: jax.Array
     outcomes: jax.Array
@@ -239,9 +239,9 @@ def _move(table: Device, pos: Position, entry: jax.Array) -> Position:
     reads = code & 7
     low = (1 << jnp.minimum(pos.depth, reads)) - 1  # the key: present entries read, then one absent (key_of)
     row = table.outcomes[jnp.minimum((code >> 3) + low + (pos.stack & low), table.outcomes.shape[0] - 1)]
-    nxt, pops, pushes, bits = row[..., 0], row[..., 1], row[..., 2], row[..., 3]
+    nxt, pops, pushes, bits, peak = (row[..., i] for i in range(5))
     depth = pos.depth - pops + pushes
-    pushdown = (entry <= -2) & (nxt >= 0) & (depth <= json_pushdown.MAX_DEPTH)
+    pushdown = (entry <= -2) & (nxt >= 0) & (pos.depth + peak <= json_pushdown.MAX_DEPTH)
     state = jnp.where(entry >= -1, entry, jnp.where(pushdown, nxt, -1))
     plain = entry >= -1
     return Position(jnp.where(pos.state >= 0, state, -1), jnp.where(plain, pos.depth, depth),

@@ -13,7 +13,8 @@ checks the kind it pops and whether anything is left beneath; a `,` peeks the to
 SmolLM2 token has four closing brackets). The result per (state, token) is either a plain move (no stack
 effect: the next flat state, stored like a DFA's) or `-(2 + (offset << 3 | reads))`: the token's outcomes
 sit at `outcomes[offset + key]`, where `key` encodes the top `reads` entries of the stack at run time (`key`)
-and an outcome is (next flat state or -1, pops, pushes, pushed bits).
+and an outcome is (next flat state or -1, pops, pushes, pushed bits, peak: the most containers the token holds
+open at once beyond the stack it found, so `{}` is not allowed at `MAX_DEPTH`).
 """
 
 from __future__ import annotations
@@ -116,13 +117,14 @@ BYTES = _byte_table()
 _ACTION, _NEXT = BYTES[..., 0].tolist(), BYTES[..., 1].tolist()
 
 # A branch of the symbolic simulation: (entries read below the token's own pushes, flat state, kinds the token
-# pushed and has not popped (bottom first), entries of the original stack popped).
-Branch = tuple[tuple[int, ...], int, tuple[int, ...], int]
+# pushed and has not popped (bottom first), entries of the original stack popped, the most containers open at
+# once beyond the original stack's: `{}` at MAX_DEPTH opens one too many even though it closes it).
+Branch = tuple[tuple[int, ...], int, tuple[int, ...], int, int]
 
 
 def _read(branch: Branch) -> list[tuple[Branch, int]]:
     """The top entry's kind, branching on an unread entry of the original stack ([] past `MAX_READS`)."""
-    read, flat, pushed, pops = branch
+    read, flat, pushed, pops, peak = branch
     if pushed:
         return [(branch, pushed[-1])]
     if pops < len(read):
@@ -131,38 +133,39 @@ def _read(branch: Branch) -> list[tuple[Branch, int]]:
         return [(branch, ABSENT)]
     if len(read) >= MAX_READS:
         return []
-    return [((read + (k,), flat, pushed, pops), k) for k in (ARRAY, OBJECT, ABSENT)]
+    return [((read + (k,), flat, pushed, pops, peak), k) for k in (ARRAY, OBJECT, ABSENT)]
 
 
 def step(branch: Branch, byte: int) -> list[Branch]:
     """The branches after one byte ([]: the byte is not allowed on this branch)."""
-    read, flat, pushed, pops = branch
+    read, flat, pushed, pops, peak = branch
     action, nxt = _ACTION[flat][byte], _NEXT[flat][byte]
     if action == MOVE:
-        return [(read, nxt, pushed, pops)]
+        return [(read, nxt, pushed, pops, peak)]
     if action in (OPEN_OBJ, OPEN_ARR):
         if len(pushed) >= MAX_DEPTH:
             return []
-        return [(read, nxt, pushed + (OBJECT if action == OPEN_OBJ else ARRAY,), pops)]
+        return [(read, nxt, pushed + (OBJECT if action == OPEN_OBJ else ARRAY,), pops,
+                 max(peak, len(pushed) + 1 - pops))]
     if action == COMMA:
-        return [(r, S["obj_next"] if k == OBJECT else S["value"], p, q) for (r, _, p, q), k in _read(branch)
+        return [(r, S["obj_next"] if k == OBJECT else S["value"], p, q, m) for (r, _, p, q, m), k in _read(branch)
                 if k != ABSENT]
     if action in (CLOSE_OBJ, CLOSE_ARR):
         want = OBJECT if action == CLOSE_OBJ else ARRAY
         out = []
-        for (r, f, p, q), k in _read(branch):
+        for (r, f, p, q, m), k in _read(branch):
             if k != want:
                 continue
-            popped = (r, f, p[:-1], q) if p else (r, f, p, q + 1)
+            popped = (r, f, p[:-1], q, m) if p else (r, f, p, q + 1, m)
             for b, below in _read(popped):  # the value just closed: inside another container, or the reply's end
-                out.append((b[0], DONE if below == ABSENT else S["after_value"], b[2], b[3]))
+                out.append((b[0], DONE if below == ABSENT else S["after_value"], b[2], b[3], b[4]))
         return out
     return []
 
 
 def accepts(data: bytes) -> bool:
     """Whether `data` is a whole reply of the language (the host automaton the token tables are built from)."""
-    branches = [((ABSENT,), START, (), 0)]  # an empty stack: every read below is absent
+    branches = [((ABSENT,), START, (), 0, 0)]  # an empty stack: every read below is absent
     for byte in data:
         branches = [n for b in branches for n in step(b, byte)]
         if not branches:
@@ -192,7 +195,7 @@ class _Trie:
 
 def token_tables(spelled: dict[bytes, list[int]], vocab_size: int, eos_ids: tuple[int, ...]
                  ) -> tuple[np.ndarray, np.ndarray]:
-    """`next` [S, V] i32 and `outcomes` [O, 4] i32 (see the module docstring) for tokens spelled as given;
+    """`next` [S, V] i32 and `outcomes` [O, 5] i32 (see the module docstring) for tokens spelled as given;
     tokens not in `spelled` (special ones) are never allowed, and EOS only in `done`."""
     root = _Trie()
     for text, ids in spelled.items():
@@ -202,10 +205,10 @@ def token_tables(spelled: dict[bytes, list[int]], vocab_size: int, eos_ids: tupl
         node.ids.extend(ids)
     table = np.full((len(STATES), vocab_size), -1, np.int32)
     groups: dict[tuple, int] = {}
-    outcomes: list[tuple[int, int, int, int]] = []
+    outcomes: list[tuple[int, int, int, int, int]] = []
 
     def entry(branches: list[Branch]) -> int:
-        if len(branches) == 1 and branches[0][0] == () and branches[0][2] == () and branches[0][3] == 0:
+        if len(branches) == 1 and branches[0][0] == () and branches[0][2] == () and branches[0][3:] == (0, 0):
             return branches[0][1]  # no stack effect: a plain move
         reads = max(len(b[0]) for b in branches)
         group = []
@@ -213,11 +216,11 @@ def token_tables(spelled: dict[bytes, list[int]], vocab_size: int, eos_ids: tupl
             seen = _entries_of(key, reads)
             hit = [b for b in branches if b[0] == seen[: len(b[0])]]
             if not hit:
-                group.append((-1, 0, 0, 0))
+                group.append((-1, 0, 0, 0, 0))
                 continue
-            _, flat, pushed, pops = hit[0]
+            _, flat, pushed, pops, peak = hit[0]
             bits = sum(kind << i for i, kind in enumerate(reversed(pushed)))
-            group.append((flat, pops, len(pushed), bits))
+            group.append((flat, pops, len(pushed), bits, peak))
         group = tuple(group)
         if group not in groups:
             groups[group] = len(outcomes)
@@ -226,7 +229,7 @@ def token_tables(spelled: dict[bytes, list[int]], vocab_size: int, eos_ids: tupl
 
     for state in range(len(STATES)):
         row = table[state]
-        todo = [(root, [((), state, (), 0)])]
+        todo = [(root, [((), state, (), 0, 0)])]
         while todo:
             node, branches = todo.pop()
             for byte, child in node.children.items():
@@ -238,4 +241,4 @@ def token_tables(spelled: dict[bytes, list[int]], vocab_size: int, eos_ids: tupl
                 if child.children:
                     todo.append((child, nxt))
     table[DONE, list(eos_ids)] = DONE
-    return table, np.asarray(outcomes or [(-1, 0, 0, 0)], np.int32).reshape(-1, 4)
+    return table, np.asarray(outcomes or [(-1, 0, 0, 0, 0)], np.int32).reshape(-1, 5)

@@ -132,6 +132,34 @@ def test_streamed_logprobs_come_with_each_chunk_and_equal_the_whole_reply(client
     assert (tokens, lps, offsets, tops) == (whole.tokens, whole.token_logprobs, whole.text_offset, whole.top_logprobs)
 
 
+# SmolLM2 ids: '{"' opens an object and its key (and closes a string), ':' follows the key, '}' closes, then EOS
+NESTING = {"39428": 40, "42": 30, "109": 20, **EOS_FIRST}
+
+
+def _depth(value) -> int:
+    return 1 + max(map(_depth, value.values() if isinstance(value, dict) else value), default=0) \
+        if isinstance(value, dict | list) else 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_json_object_reply_nests_to_max_depth_and_parses_with_json_loads(client, stream):
+    from tfjax.json_pushdown import MAX_DEPTH, accepts
+
+    body = dict(model="tiny", messages=MESSAGES, max_tokens=200, temperature=0, logit_bias=NESTING,
+                response_format={"type": "json_object"})
+    if stream:
+        chunks = list(client.chat.completions.create(**body, stream=True))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finish = next(c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason)
+    else:
+        reply = client.chat.completions.create(**body)
+        text, finish = reply.choices[0].message.content, reply.choices[0].finish_reason
+    assert finish == "stop", text
+    value = json.loads(text)
+    assert isinstance(value, dict) and accepts(text.encode())
+    assert _depth(value) == MAX_DEPTH, text  # the bias opens objects until the grammar forbids one more
+
+
 def test_json_object_accepts_nested_objects_and_arrays_to_its_documented_depth():
     from tfjax.json_pushdown import MAX_DEPTH, accepts
 

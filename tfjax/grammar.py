@@ -267,9 +267,18 @@ def row_states(table: Device, pos: Position, rows: jax.Array) -> Position:
 
 
 def allowed(table: Device, pos: Position) -> jax.Array:
-    """[..., V] bool: the tokens each position allows (every token where it is unconstrained)."""
-    here = jax.tree.map(lambda a: a[..., None], pos)
-    return (_move(table, here, table.next[jnp.maximum(pos.state, 0)]).state >= 0) | (pos.state < 0)[..., None]
+    """[..., V] bool: the tokens each position allows (every token where it is unconstrained); `_move`'s validity
+    alone, with one gather of each outcome's deepest allowed start."""
+    entry = table.next[jnp.maximum(pos.state, 0)]  # [..., V]
+    ok = entry >= 0
+    if table.outcomes.shape[0] > 1:
+        depth, stack = pos.depth[..., None], pos.stack[..., None]
+        deepest = jnp.where(table.outcomes[:, 0] >= 0, json_pushdown.MAX_DEPTH - table.outcomes[:, 4], -1)  # [O]
+        code = jnp.maximum(-entry - 2, 0)
+        low = (1 << jnp.minimum(depth, code & 7)) - 1
+        limit = deepest[jnp.minimum((code >> 3) + low + (stack & low), deepest.shape[0] - 1)]
+        ok = ok | ((entry <= -2) & (depth <= limit))
+    return ok | (pos.state < 0)[..., None]
 
 
 def mask_logits(logits: jax.Array, table: Device, pos: Position) -> jax.Array:

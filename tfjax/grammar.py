@@ -1,11 +1,18 @@
-"""Structured output: a JSON schema becomes a token-level DFA whose table lives on the device.
+"""Structured output: every grammar becomes token tables on the device that the jitted round walks and masks with.
 
-outlines-core compiles the schema's regex against the vocabulary into an index (state -> token -> state).
-We store it dense, `next[state, token]` (-1: not allowed), so the jitted round can walk a lane's state along
-its own proposals (row j's state has consumed proposals 0..j-1) and mask every verify row: a constrained
-lane drafts and stays exact. EOS is allowed only in final states. Several grammars share one table, each
-at its own state offset. xgrammar was measured too (faster to compile) but is a pushdown automaton with a
-host-side stack, which the round cannot walk over proposals it makes on the device
+A lane's grammar position (`Position`) is a state, plus a depth and a stack of container kinds for a pushdown.
+The round walks it along the lane's own proposals (row j's position has consumed proposals 0..j-1) and masks
+every verify row, so a constrained lane drafts and stays exact. EOS is allowed only in final states.
+
+- json_schema (and tool calls): outlines-core compiles the schema's regex against the vocabulary into a token
+  DFA, stored dense, `next[state, token]` (-1: not allowed).
+- json_object: any JSON object up to `json_pushdown.MAX_DEPTH` containers deep, a pushdown whose stack is an
+  int32 of bits. Its `next` entries are either plain moves (no stack effect, like a DFA's) or codes <= -2 into
+  a small table of outcomes selected at run time by the top few stack entries (json_pushdown.py).
+
+Several grammars share one `next` table, each at its own state offset, and one `outcomes` table (one dummy row
+while no pushdown is placed, and the round then skips that work). xgrammar was measured too (faster to
+compile) but keeps its stack on the host, which the round cannot walk over proposals it makes on the device
 (docs/sampling_processors.md).
 """
 

@@ -1,4 +1,5 @@
-"""Throughput of SmolLM2 replies with a JSON schema, with penalties, and plain (median of 3, compile excluded).
+"""Throughput of SmolLM2 replies with a JSON schema, as any JSON object, with penalties, and plain (median of 3,
+compile excluded).
 
 `python scripts/bench_schema.py [--plain-only] [--server]`: --plain-only runs only the plain case, so the same
 command under another checkout (PYTHONPATH=/work/main) says whether the processors' code costs plain rounds
@@ -77,6 +78,7 @@ def main() -> None:
         fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
         cases["penalties+bias"] = dict(presence_penalty=0.5, frequency_penalty=0.3, logit_bias={28: -5.0})
         cases["json_schema"] = dict(response_format=fmt)
+        cases["json_object"] = dict(response_format={"type": "json_object"})
         if args.server:
             cases["tool_choice named"] = dict(tools=[TOOL], tool_choice={"type": "function",
                                                                          "function": {"name": "add_person"}})

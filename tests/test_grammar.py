@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tfjax import grammar
+from tfjax import grammar, json_pushdown
 from tfjax.engine import Engine, Request
 from tfjax.lanes.config import LaneConfig
 from tfjax.lanes.drafter import RoundFacts
@@ -71,7 +71,9 @@ def test_constrained_replies_validate_and_drafted_equals_plain_beside_free_lanes
     g = grammars.compile({"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}})
     obj = grammars.compile({"type": "json_object"})
     reqs = [dict(prompt=_prompt(s), max_tokens=80, grammar=g, **params) for s in range(2)]
-    reqs += [dict(prompt=_prompt(5), max_tokens=80, grammar=obj, **params), dict(prompt=_prompt(6), max_tokens=20)]
+    nest = {ord(c) - 32: 3.0 for c in '[{":'}  # json_object: pushed towards nesting, so the round walks a deep stack
+    reqs += [dict(prompt=_prompt(5), max_tokens=80, grammar=obj, logit_bias=nest, **params),
+             dict(prompt=_prompt(6), max_tokens=20)]
     plain = [_run(target, [Request(**r, draft=False)])[0] for r in reqs]
     drafted = _run(target, [Request(**r) for r in reqs], copy_match=1)
     tok = ByteTokenizer()
@@ -80,23 +82,37 @@ def test_constrained_replies_validate_and_drafted_equals_plain_beside_free_lanes
     for r in drafted[:2]:
         assert r.finish_reason == "stop", r
         _validate(json.loads(tok.decode(r.token_ids)), SCHEMA)
+    text = tok.decode(drafted[2].token_ids).encode()
     if drafted[2].finish_reason == "stop":  # json_object has an unbounded language: it may run to max_tokens
-        assert isinstance(json.loads(tok.decode(drafted[2].token_ids)), dict)
+        assert isinstance(json.loads(text), dict) and json_pushdown.accepts(text)
+    else:
+        assert _open_containers(text) >= 1, text  # a live prefix of the language, inside the object
     free = _run(target, [Request(**reqs[3])])[0]
     assert free.token_ids == drafted[3].token_ids
 
 
+def _open_containers(prefix: bytes) -> int:
+    """How deep a prefix of a json_object reply is nested (0: the byte automaton rejects it or it has closed)."""
+    branches = [((json_pushdown.ABSENT,), json_pushdown.START, (), 0, 0)]
+    for byte in prefix:
+        branches = [n for b in branches for n in json_pushdown.step(b, byte)]
+    return len(branches[0][2]) if branches else 0
+
+
 def test_row_states_walk_the_proposals_and_mask_forbidden_tokens(grammars):
     g = grammars.compile({"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}})
-    table, pieces = jnp.asarray(g.next), ByteTokenizer().pieces
+    packed = grammar.Table(256)
+    assert packed.place(g) == g.initial
+    table, pieces = packed.device(grammar.capacity_for(packed.size), 1), ByteTokenizer().pieces
     brace, quote_ok, space = pieces.index("{"), pieces.index('"ok"'), pieces.index(" ")
     rows = jnp.asarray([[0, brace, space], [0, quote_ok, space]], jnp.int32)  # lane 1: '"ok"' first is not JSON
-    states = np.asarray(grammar.row_states(table, jnp.asarray([g.initial, g.initial], jnp.int32), rows))
+    pos = grammar.row_states(table, grammar.start(jnp.asarray([g.initial, g.initial], jnp.int32)), rows)
+    states = np.asarray(pos.state)
     s1 = g.next[g.initial, brace]
     assert states[0].tolist() == [g.initial, s1, g.next[s1, space]]
     assert states[1].tolist() == [g.initial, -1, -1]  # after a forbidden proposal the rows are free
     logits = jnp.asarray(np.random.default_rng(1).normal(size=(2, 3, 256)), jnp.float32)
-    masked = np.asarray(grammar.mask_logits(logits, table, jnp.asarray(states)))
+    masked = np.asarray(grammar.mask_logits(logits, table, pos))
     assert np.array_equal(np.isfinite(masked[0, 0]), g.next[g.initial] >= 0)
     assert np.isfinite(masked[0, 0, brace]) and not np.isfinite(masked[0, 0, quote_ok])
     assert np.array_equal(masked[1, 1:], np.asarray(logits[1, 1:]))

@@ -5,7 +5,6 @@ none, a constrained tool request drafts exactly, and each streamed chunk carries
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 
@@ -133,16 +132,46 @@ def test_streamed_logprobs_come_with_each_chunk_and_equal_the_whole_reply(client
     assert (tokens, lps, offsets, tops) == (whole.tokens, whole.token_logprobs, whole.text_offset, whole.top_logprobs)
 
 
-def test_json_object_accepts_nested_objects_and_arrays_to_its_documented_depth():
-    from tfjax import grammar
+# SmolLM2 ids: '{"' opens an object and its key (and closes a string), ':' follows the key, '}' closes, then EOS
+NESTING = {"39428": 40, "42": 30, "109": 20, **EOS_FIRST}
 
-    rx = grammar._json_object_regex()
-    assert grammar.JSON_OBJECT_DEPTH == 1
-    for ok in ({"a": {"b": 1, "c": "x"}, "d": [True, 2.5, None, "y"], "e": {}},
-               {"list": [], "o": {"k": "v"}}, {}):
-        assert re.fullmatch(rx, json.dumps(ok)), ok
-    for too_deep in ({"a": {"b": {"c": 1}}}, {"a": [[1]]}, {"a": [{"b": 1}]}):
-        assert not re.fullmatch(rx, json.dumps(too_deep)), too_deep
+
+def _depth(value) -> int:
+    return 1 + max(map(_depth, value.values() if isinstance(value, dict) else value), default=0) \
+        if isinstance(value, dict | list) else 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_json_object_reply_nests_to_max_depth_and_parses_with_json_loads(client, stream):
+    from tfjax.json_pushdown import MAX_DEPTH, accepts
+
+    body = dict(model="tiny", messages=MESSAGES, max_tokens=200, temperature=0, logit_bias=NESTING,
+                response_format={"type": "json_object"})
+    if stream:
+        chunks = list(client.chat.completions.create(**body, stream=True))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finish = next(c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason)
+    else:
+        reply = client.chat.completions.create(**body)
+        text, finish = reply.choices[0].message.content, reply.choices[0].finish_reason
+    assert finish == "stop", text
+    value = json.loads(text)
+    assert isinstance(value, dict) and accepts(text.encode())
+    assert _depth(value) == MAX_DEPTH, text  # the bias opens objects until the grammar forbids one more
+
+
+def test_json_object_accepts_nested_objects_and_arrays_to_its_documented_depth():
+    from tfjax.json_pushdown import MAX_DEPTH, accepts
+
+    for ok in ({"a": {"b": 1, "c": "x"}, "d": [True, 2.5, None, "y"], "e": {}}, {"list": [], "o": {"k": "v"}}, {},
+               {"a": {"b": {"c": {"d": {"e": [[{"f": [1, {"g": None}]}]]}}}}}, {"a": [{"b": 1}], "c": [[1]]}):
+        assert accepts(json.dumps(ok).encode()), ok
+    deepest = {"a": 1}
+    for i in range(MAX_DEPTH - 2):  # with {"a": 1} and the top object: MAX_DEPTH containers
+        deepest = {"k": deepest} if i % 2 else [deepest]
+    deepest = {"top": deepest}
+    assert accepts(json.dumps(deepest).encode())
+    assert not accepts(json.dumps({"top": [deepest["top"]]}).encode()), "one container past MAX_DEPTH"
 
 
 @pytest.mark.slow  # SmolLM2 (49k vocabulary, a real model): a minute or more per request on 2 cores

@@ -63,7 +63,7 @@ class Runner:
             sampling=sampling.SamplingParams.create(n), cache=cache, draft_cache=draft_cache,
             draft_len=jnp.zeros((n,), jnp.int32),
             block=blocks.empty_blocks(n, drafter.config.block_size) if self.block_drafter else None,
-            proc=sampling.Processors.create(n, self.vocab), gstate=jnp.full((n,), -1, jnp.int32))
+            proc=sampling.Processors.create(n, self.vocab), gstate=grammar.start(jnp.full((n,), -1, jnp.int32)))
         self.pools = [snapshots.empty_pool(cache, self.snapshot_slots), snapshots.empty_pool(draft_cache,
                                                                                               self.snapshot_slots)]
         if getattr(target, "mesh", None) is not None:  # tensor parallel: caches by head, lanes over `data`
@@ -122,10 +122,12 @@ class Runner:
         size = self.grammars.size
         initial = self.grammars.place(g)
         self.constrained.add(lane)
-        have = 0 if self.state.grammar is None else self.state.grammar.shape[0]
+        have, have_out = (0, 0) if self.state.grammar is None else (self.state.grammar.next.shape[0],
+                                                                      self.state.grammar.outcomes.shape[0])
         if self.grammars.size != size or have < self.grammars.size:
             cap = max(have, grammar.capacity_for(self.grammars.size))  # a new capacity is a new compile
-            self.state.grammar = jnp.asarray(self.grammars.array(cap))
+            out_cap = max(have_out, grammar.outcome_capacity_for(self.grammars.outcomes))
+            self.state.grammar = self.grammars.device(cap, out_cap)
         return initial
 
     def prefill(self, lane: int, prompt: list[int], params: sampling.SamplingParams, drafting: bool,
@@ -156,7 +158,7 @@ class Runner:
             _, st.draft_cache = self._prefill_model(1, self.drafter_def, self.drafter_params, st.draft_cache, lane,
                                                     prompt_arr, resume, restore, saves)
         first_arr, self.first_logprobs = _first_token(logits, jnp.int32(len(prompt)), params, proc,
-                                                      self.state.grammar, jnp.int32([initial]))
+                                                      self.state.grammar, grammar.start(jnp.int32([initial])))
         first = int(first_arr[0])
         history = np.zeros((self.lanes.context,), np.int32)
         history[: len(prompt)] = prompt_arr
@@ -236,8 +238,8 @@ class Runner:
 
 @jax.jit
 def _first_token(logits: jax.Array, position: jax.Array, params: sampling.SamplingParams,
-                 proc: sampling.Processors, table: jax.Array | None,
-                 gstate: jax.Array) -> tuple[jax.Array, sampling.Logprobs]:
+                 proc: sampling.Processors, table: grammar.Device | None,
+                 gstate: grammar.Position) -> tuple[jax.Array, sampling.Logprobs]:
     """The token after the prompt, chosen by the lane's keyed sampler after its processors and grammar
     (lane params sliced to one row), and its logprobs."""
     state = lane_round_mod.LaneState(None, None, None, None, params, None, None, None, proc=proc, grammar=table,

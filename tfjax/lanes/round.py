@@ -62,8 +62,8 @@ class LaneState:
     draft_len: jax.Array  # [L] i32, positions the drafter has absorbed
     block: jax.Array | None = None  # [L, B-1] i32, a block drafter's proposals for the next round
     proc: sampling.Processors | None = None  # penalties, logit_bias, logprobs wanted (per lane, data)
-    grammar: jax.Array | None = None  # [S, V] i32 packed grammar table (grammar.py), None until first used
-    gstate: jax.Array | None = None  # [L] i32 each lane's grammar state after its history (-1: none)
+    grammar: grammar.Device | None = None  # the packed grammar tables (grammar.py), None until first used
+    gstate: grammar.Position | None = None  # [L] each lane's grammar position after its history (state -1: none)
 
 
 @jax.tree_util.register_dataclass
@@ -180,7 +180,7 @@ def _choose(logits: jax.Array, rows: jax.Array, positions: jax.Array, state: Lan
     if full is not None:
         take = lambda a: a[order]  # noqa: E731
         chosen = take(chosen)
-        row_gstates = None if row_gstates is None else take(row_gstates)
+        row_gstates = None if row_gstates is None else jax.tree.map(take, row_gstates)
         logprobs = None if logprobs is None else jax.tree.map(take, logprobs)
     return chosen, row_gstates, logprobs
 
@@ -291,8 +291,8 @@ def admit_processors(state: LaneState, lane: jax.Array, proc: sampling.Processor
     new = jax.tree.map(lambda a, v: a.at[lane].set(v[0]), state.proc, row)
     g = state.gstate
     if state.grammar is not None:
-        after = state.grammar[jnp.maximum(gstate, 0), jnp.clip(first, 0, vocab - 1)]
-        g = g.at[lane].set(jnp.where(gstate >= 0, after, -1))
+        after = grammar.step(state.grammar, grammar.start(gstate), jnp.clip(first, 0, vocab - 1))
+        g = jax.tree.map(lambda a, v: a.at[lane].set(v), g, after)
     return dataclasses.replace(state, proc=new, gstate=g)
 
 
@@ -348,6 +348,6 @@ def release(state: LaneState, lane: jax.Array) -> LaneState:
         proc = dataclasses.replace(proc, used=proc.used.at[lane].set(False),
                                    logprobs=proc.logprobs.at[lane].set(False))
     if gstate is not None:
-        gstate = gstate.at[lane].set(-1)
+        gstate = jax.tree.map(lambda a, v: a.at[lane].set(v), gstate, grammar.start(-1))
     return dataclasses.replace(state, active=state.active.at[lane].set(False), sampling=samp, proc=proc,
                                gstate=gstate)

@@ -320,7 +320,9 @@ def paged_attention(q: jax.Array, pages: KVPages, page_table: jax.Array, positio
         if pk.supports(e):
             return pk.paged_attention(q, pages.k, pages.v, page_table, positions)
     if rows and not _gpu():  # the CPU: each row reads only the key tiles up to its position
-        return pk.paged_rows_reference(q, pages, page_table, positions)
+        if active_mesh() is None:
+            return pk.paged_rows_reference(q, pages, page_table, positions)
+        return _paged_rows_per_head(q, pages, page_table, positions)
     k, v = gather_pages(pages, page_table)
     if active_mesh() is not None:  # one q head (with its kv head) at a time: the same arithmetic at every degree
         rep = q.shape[2] // k.shape[2]
@@ -328,6 +330,32 @@ def paged_attention(q: jax.Array, pages: KVPages, page_table: jax.Array, positio
         return per_head(lambda *a: (pk.attention_reference(*a, positions, rows, gpu=_gpu()),), [q, k, v],
                         [2, 2, 2], [2])[0]
     return pk.attention_reference(q, k, v, positions, rows, gpu=_gpu())
+
+
+def _paged_rows_per_head(q: jax.Array, pages: KVPages, page_table: jax.Array, positions: jax.Array) -> jax.Array:
+    """Lane-round rows' CPU attention under a mesh: one q head a loop iteration against its KV head
+    (`paged_rows_reference(kv_head=)`), each device over its own q heads inside `shard_map` (KV pages by KV head, or
+    whole where the degree does not divide them), so a head's arithmetic is the same at every degree."""
+    mesh = active_mesh()
+    tp, h, g = mesh.shape[MODEL_AXIS], q.shape[2], pages.k.shape[2]
+    r, kv_split = h // g, g % tp == 0
+
+    def local(q, k, v, table, pos):  # q [B, T, H/tp, E], k/v [n, page, G/tp or G, E]
+        heads = jnp.arange(q.shape[2])  # local q heads; their KV heads among the local pages:
+        if not kv_split:  # the pages whole: this device's heads start at its index x H/tp
+            heads = heads + jax.lax.axis_index(MODEL_AXIS) * q.shape[2]
+
+        def one(xs):
+            qh, kv = xs  # qh [B, T, E]
+            return pk.paged_rows_reference(qh[:, :, None], KVPages(k, v), table, pos, kv_head=kv)[:, :, 0]
+
+        return jnp.moveaxis(fenced_map(one, (jnp.moveaxis(q, 2, 0), heads // r)), 0, 2)
+
+    if not _sharded(mesh):
+        return local(q, pages.k, pages.v, page_table, positions)
+    kv = _spec(4, 2 if kv_split else None)
+    return _shard_map(local, mesh, (_spec(4, 2), kv, kv, _spec(2, None), _spec(2, None)), _spec(4, 2))(
+        q, pages.k, pages.v, page_table, positions)
 
 
 # --- linears ---

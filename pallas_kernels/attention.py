@@ -302,7 +302,7 @@ REFERENCE_TILE_PAGES = 4  # pages of keys per step of `paged_rows_reference` (64
 
 
 def paged_rows_reference(q: jax.Array, pages: KVPages, page_table: jax.Array, positions: jax.Array, *,
-                         tile_pages: int = REFERENCE_TILE_PAGES) -> jax.Array:
+                         tile_pages: int = REFERENCE_TILE_PAGES, kv_head: jax.Array | None = None) -> jax.Array:
     """Lane-round rows' causal attention on the CPU, reading only the key tiles each row can see.
 
     q [B, T, H, E] at `positions` [B, T] over the lane's pages. Each row runs on its own (fenced loops over
@@ -310,9 +310,14 @@ def paged_rows_reference(q: jax.Array, pages: KVPages, page_table: jax.Array, po
     until the tile holding its position: its arithmetic depends on its q, its position and the keys only, never
     on T, the lane count, the page table's width (the configured context) or the other lanes' lengths, and its
     cost follows its own length.
+
+    `kv_head` (a scalar, possibly traced): every q head attends that one KV head of the pages (a tensor-parallel
+    device's loop over its own q heads, one a step: `ops.paged_attention`); the tiles gather only its keys.
     """
     b, t, h, e = q.shape
     n_pages, page, g, _ = pages.k.shape
+    if kv_head is not None:
+        g = 1
     width = page_table.shape[1]
     pad = (-width) % tile_pages
     table = jnp.pad(page_table, ((0, 0), (0, pad)))  # whole tiles; the padding is past every row's position
@@ -327,8 +332,10 @@ def paged_rows_reference(q: jax.Array, pages: KVPages, page_table: jax.Array, po
         def step(i, carry):
             m, l, acc = carry
             ids = jnp.clip(jax.lax.dynamic_slice_in_dim(lane_table, i * tile_pages, tile_pages), 0, n_pages - 1)
-            k = pages.k[ids].reshape(tile, g, e).astype(q.dtype)
-            v = pages.v[ids].reshape(tile, g, e).astype(q.dtype)
+            k, v = pages.k[ids], pages.v[ids]  # [tile_pages, page, G, E]
+            if kv_head is not None:
+                k, v = (jax.lax.dynamic_index_in_dim(a, kv_head, axis=2) for a in (k, v))
+            k, v = k.reshape(tile, g, e).astype(q.dtype), v.reshape(tile, g, e).astype(q.dtype)
             s = jnp.einsum("gre,sge->grs", qg, k, preferred_element_type=jnp.float32) * (e**-0.5)
             seen = i * tile + jnp.arange(tile) <= pos
             s = jnp.where(seen[None, None], s, NEG)

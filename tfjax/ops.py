@@ -140,9 +140,36 @@ def rowwise(fn, x: jax.Array, rows: bool) -> jax.Array:
     """fn over the last axis; with `rows` or under a mesh, in fixed row tiles (reductions never see M, nor how many
     heads a device holds: under a mesh the rows are gathered whole first, so XLA's partitioner never splits a tile)."""
     mesh = active_mesh()
-    if mesh is not None:
-        x = jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-    return fenced.rowwise(fn, x, rows or mesh is not None, gpu=_gpu())
+    tiled = lambda x: fenced.rowwise(fn, x, rows or mesh is not None, gpu=_gpu())  # noqa: E731
+    return tiled(x) if mesh is None else whole(tiled, x)
+
+
+def _sharded(mesh) -> bool:
+    return mesh is not None and mesh.size > 1
+
+
+def _spec(nd: int, axis: int | None) -> jax.sharding.PartitionSpec:
+    """The spec of an array split over `model` at `axis` (None: whole), whole over every other mesh axis."""
+    return jax.sharding.PartitionSpec(*[MODEL_AXIS if i == axis else None for i in range(nd)])
+
+
+def _shard_map(fn, mesh, in_specs, out_specs):
+    """`jax.shard_map` manual over every mesh axis: the arrays split over `model` only, whole over `data` (the lanes),
+    so XLA's partitioner never splits a row tile or a head's lanes over `data` behind our back (its arithmetic
+    would follow the device's share of the lanes: a dot over 4 rows, or an exp over a handful of elements,
+    rounds differently)."""
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(mesh.axis_names),
+                         check_vma=False)
+
+
+def whole(fn, *args):
+    """fn(*args) with every array whole on every device (the same arithmetic as one device) under a mesh."""
+    mesh = active_mesh()
+    if not _sharded(mesh):
+        return fn(*args)
+    out = jax.eval_shape(fn, *args)
+    return _shard_map(fn, mesh, tuple(_spec(a.ndim, None) for a in args),
+                      jax.tree.map(lambda o: _spec(o.ndim, None), out))(*args)
 
 
 def per_head(fn, args: list, axes: list, out_axes: list):
@@ -151,9 +178,6 @@ def per_head(fn, args: list, axes: list, out_axes: list):
     device holds (XLA's reductions round differently at other shapes). Under a mesh each device loops over its own
     heads inside `shard_map` (no collective). Returns fn's outputs with their head axes at `out_axes`."""
     mesh = active_mesh()
-    tp = 1 if mesh is None else mesh.shape[MODEL_AXIS]
-    spec = (lambda nd, ax: jax.sharding.PartitionSpec() if ax is None
-            else jax.sharding.PartitionSpec(*[MODEL_AXIS if i == ax else None for i in range(nd)]))
     headed = [i for i, ax in enumerate(axes) if ax is not None]
 
     def local(*xs):
@@ -167,14 +191,13 @@ def per_head(fn, args: list, axes: list, out_axes: list):
 
         return tuple(jnp.moveaxis(o, 0, ax) for o, ax in zip(fenced_map(one, stacked), out_axes, strict=True))
 
-    if tp == 1:
+    if not _sharded(mesh):
         return local(*args)
     out_nd = [a.ndim for a in jax.eval_shape(fn, *[jax.ShapeDtypeStruct(
         tuple(1 if i == ax else d for i, d in enumerate(a.shape)), a.dtype) if ax is not None else a
         for a, ax in zip(args, axes, strict=True)])]
-    return jax.shard_map(local, mesh=mesh, in_specs=tuple(spec(a.ndim, ax) for a, ax in zip(args, axes, strict=True)),
-                         out_specs=tuple(spec(n, ax) for n, ax in zip(out_nd, out_axes, strict=True)),
-                         axis_names={MODEL_AXIS}, check_vma=False)(*args)
+    return _shard_map(local, mesh, tuple(_spec(a.ndim, ax) for a, ax in zip(args, axes, strict=True)),
+                      tuple(_spec(n, ax) for n, ax in zip(out_nd, out_axes, strict=True)))(*args)
 
 
 # --- norms and conv ---
@@ -297,7 +320,9 @@ def paged_attention(q: jax.Array, pages: KVPages, page_table: jax.Array, positio
         if pk.supports(e):
             return pk.paged_attention(q, pages.k, pages.v, page_table, positions)
     if rows and not _gpu():  # the CPU: each row reads only the key tiles up to its position
-        return pk.paged_rows_reference(q, pages, page_table, positions)
+        if active_mesh() is None:
+            return pk.paged_rows_reference(q, pages, page_table, positions)
+        return _paged_rows_per_head(q, pages, page_table, positions)
     k, v = gather_pages(pages, page_table)
     if active_mesh() is not None:  # one q head (with its kv head) at a time: the same arithmetic at every degree
         rep = q.shape[2] // k.shape[2]
@@ -305,6 +330,32 @@ def paged_attention(q: jax.Array, pages: KVPages, page_table: jax.Array, positio
         return per_head(lambda *a: (pk.attention_reference(*a, positions, rows, gpu=_gpu()),), [q, k, v],
                         [2, 2, 2], [2])[0]
     return pk.attention_reference(q, k, v, positions, rows, gpu=_gpu())
+
+
+def _paged_rows_per_head(q: jax.Array, pages: KVPages, page_table: jax.Array, positions: jax.Array) -> jax.Array:
+    """Lane-round rows' CPU attention under a mesh: one q head a loop iteration against its KV head
+    (`paged_rows_reference(kv_head=)`), each device over its own q heads inside `shard_map` (KV pages by KV head, or
+    whole where the degree does not divide them), so a head's arithmetic is the same at every degree."""
+    mesh = active_mesh()
+    tp, h, g = mesh.shape[MODEL_AXIS], q.shape[2], pages.k.shape[2]
+    r, kv_split = h // g, g % tp == 0
+
+    def local(q, k, v, table, pos):  # q [B, T, H/tp, E], k/v [n, page, G/tp or G, E]
+        heads = jnp.arange(q.shape[2])  # local q heads; their KV heads among the local pages:
+        if not kv_split:  # the pages whole: this device's heads start at its index x H/tp
+            heads = heads + jax.lax.axis_index(MODEL_AXIS) * q.shape[2]
+
+        def one(xs):
+            qh, kv = xs  # qh [B, T, E]
+            return pk.paged_rows_reference(qh[:, :, None], KVPages(k, v), table, pos, kv_head=kv)[:, :, 0]
+
+        return jnp.moveaxis(fenced_map(one, (jnp.moveaxis(q, 2, 0), heads // r)), 0, 2)
+
+    if not _sharded(mesh):
+        return local(q, pages.k, pages.v, page_table, positions)
+    kv = _spec(4, 2 if kv_split else None)
+    return _shard_map(local, mesh, (_spec(4, 2), kv, kv, _spec(2, None), _spec(2, None)), _spec(4, 2))(
+        q, pages.k, pages.v, page_table, positions)
 
 
 # --- linears ---
@@ -345,16 +396,15 @@ def row_parallel(fn, x: jax.Array, weights: list[jax.Array], parts: int) -> jax.
         wc = [jnp.moveaxis(w.reshape(w.shape[0], n, w.shape[1] // n), 1, 0) for w in ws]
         return fenced_map(lambda a: fn(a[0], *a[1:]), (xs, *wc))
 
-    if tp == 1:
+    if not _sharded(mesh):
         return local(x, *weights)
-    spec_x = jax.sharding.PartitionSpec(*([None] * (x.ndim - 1)), MODEL_AXIS)
-    spec_w = jax.sharding.PartitionSpec(None, MODEL_AXIS)
 
     def sharded(x, *ws):
-        return jax.lax.all_gather(local(x, *ws), MODEL_AXIS, axis=0, tiled=True)  # the one collective
+        parts = local(x, *ws)
+        return parts if tp == 1 else jax.lax.all_gather(parts, MODEL_AXIS, axis=0, tiled=True)  # the one collective
 
-    return jax.shard_map(sharded, mesh=mesh, in_specs=(spec_x, *[spec_w] * len(weights)),
-                         out_specs=jax.sharding.PartitionSpec(), axis_names={MODEL_AXIS}, check_vma=False)(x, *weights)
+    return _shard_map(sharded, mesh, (_spec(x.ndim, x.ndim - 1), *[_spec(2, 1)] * len(weights)),
+                      _spec(x.ndim + 1, None))(x, *weights)
 
 
 def column_parallel(fn, x: jax.Array, weights: list[jax.Array], parts: int, shard: bool = True) -> jax.Array:
@@ -367,6 +417,7 @@ def column_parallel(fn, x: jax.Array, weights: list[jax.Array], parts: int, shar
     split over `model`, no collective)."""
     mesh = active_mesh()
     tp = mesh.shape[MODEL_AXIS] if shard and mesh is not None else 1
+    axis = MODEL_AXIS if tp > 1 else None
 
     def local(x, *ws):  # ws [out/tp, ...] -> [..., out/tp]
         n = parts // tp
@@ -374,12 +425,10 @@ def column_parallel(fn, x: jax.Array, weights: list[jax.Array], parts: int, shar
         ys = fenced_map(lambda a: fn(x, *a), wc)  # [n, ..., out/parts]
         return jnp.moveaxis(ys, 0, -2).reshape(*ys.shape[1:-1], n * ys.shape[-1])
 
-    if tp == 1:
+    if not _sharded(mesh):
         return local(x, *weights)
-    spec_w = jax.sharding.PartitionSpec(MODEL_AXIS)
-    spec_y = jax.sharding.PartitionSpec(*([None] * (x.ndim - 1)), MODEL_AXIS)
-    return jax.shard_map(local, mesh=mesh, in_specs=(jax.sharding.PartitionSpec(), *[spec_w] * len(weights)),
-                         out_specs=spec_y, axis_names={MODEL_AXIS}, check_vma=False)(x, *weights)
+    return _shard_map(local, mesh, (_spec(x.ndim, None), *[_spec(w.ndim, 0 if axis else None) for w in weights]),
+                      _spec(x.ndim, x.ndim - 1 if axis else None))(x, *weights)
 
 
 def sum_parts(parts: jax.Array) -> jax.Array:

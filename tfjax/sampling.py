@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tfjax import ops
+
 
 @functools.partial(
     jax.tree_util.register_dataclass,
@@ -299,15 +301,23 @@ class Logprobs:
 
 def logprobs(logits: jax.Array, chosen: jax.Array, wanted: jax.Array) -> Logprobs:
     """Log-softmax of the model's raw logits (before penalties, bias, grammar and temperature, as vLLM's
-    default) at the chosen tokens, plus the top alternatives; zeros when no lane wants them."""
+    default) at the chosen tokens, plus the top alternatives; zeros when no lane wants them.
+
+    One row [V] a loop iteration (`ops.fenced_map`): XLA's reduction over the vocabulary rounds differently at other
+    shapes ([L, R, V] against a device's half of the lanes under a `data` axis, or a prefill's [1, 1, V]), so a
+    row's logprobs never depend on how many rows share the call, nor on the mesh."""
     n_lanes, rows, vocab = logits.shape
     k = min(TOP_LOGPROBS, vocab)
 
-    def compute(_: None) -> Logprobs:
-        lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    def one(row: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+        x, c = row  # x [V], c the chosen id
+        lp = jax.nn.log_softmax(x.astype(jnp.float32))
         top_lp, top_ids = jax.lax.top_k(lp, k)
-        return Logprobs(jnp.take_along_axis(lp, chosen[..., None], axis=-1)[..., 0], top_ids.astype(jnp.int32),
-                        top_lp)
+        return jax.lax.dynamic_index_in_dim(lp, c, keepdims=False), top_ids.astype(jnp.int32), top_lp
+
+    def compute(_: None) -> Logprobs:
+        lp, top_ids, top_lp = ops.fenced_map(one, (logits.reshape(-1, vocab), chosen.reshape(-1)))
+        return Logprobs(lp.reshape(n_lanes, rows), top_ids.reshape(n_lanes, rows, k), top_lp.reshape(n_lanes, rows, k))
 
     def none(_: None) -> Logprobs:
         return Logprobs(jnp.zeros((n_lanes, rows), jnp.float32), jnp.zeros((n_lanes, rows, k), jnp.int32),

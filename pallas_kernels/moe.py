@@ -41,6 +41,7 @@ from jax.experimental.pallas import triton as plgpu
 
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
+_MAGIC = 0x4B000000  # float32 2^23: an integer below 2^23 OR-ed into its mantissa reads as 2^23 + integer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +125,7 @@ def _down_kernel(tile_ref, h_ref, c_ref, dw, ds_, db, y_ref, *, bits, group_size
         y_ref[...] = acc.astype(dtype).astype(jnp.float32) * c_ref[...][:, None]
 
 
-def _check(x, idx, weights, gate, up, down, bits, group_size, bs: BlockSizes):
+def _check(x, idx, weights, gate, up, down, bits, group_size):
     if bits not in BITS:
         raise ValueError(f"{bits=} is not supported; use one of {BITS}")
     if group_size not in GROUP_SIZES:
@@ -145,6 +146,9 @@ def _check(x, idx, weights, gate, up, down, bits, group_size, bs: BlockSizes):
         want = (e, out, inp // group_size)
         if tuple(s.shape) != want or tuple(b.shape) != want:
             raise ValueError(f"{name} {s.shape=} and {b.shape=} must both be {want}")
+
+
+def _check_tiles(d, i, group_size, bs: BlockSizes):
     for name in ("block_m", "block_n", "block_k"):
         v = getattr(bs, name)
         if v < 16 or v & (v - 1):
@@ -187,13 +191,22 @@ def pair_tiles(idx: jax.Array, block_m: int):
     return idx.reshape(-1).astype(jnp.int32), pair_row, jnp.arange(p, dtype=jnp.int32) * block_m
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_sizes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_sizes", "rows", "interpret"))
 def moe(x: jax.Array, idx: jax.Array, weights: jax.Array, gate: tuple, up: tuple, down: tuple, *, bits: int = 4,
-        group_size: int = 64, block_sizes: BlockSizes | None = None, interpret: bool = False) -> jax.Array:
-    """Routed experts: x [N, D], idx/weights [N, k], gate/up/down (weight, scales, biases) -> [N, D] in x.dtype."""
+        group_size: int = 64, block_sizes: BlockSizes | RowsBlockSizes | None = None, rows: bool = False,
+        interpret: bool = False) -> jax.Array:
+    """Routed experts: x [N, D], idx/weights [N, k], gate/up/down (weight, scales, biases) -> [N, D] in x.dtype.
+
+    ``rows`` (lane rounds: decode, verify): the K-split kernels of `RowsBlockSizes`; else the grouped GEMM."""
     d, i = x.shape[-1], gate[0].shape[1]
+    _check(x, idx, weights, gate, up, down, bits, group_size)
+    if rows:
+        bs = block_sizes or RowsBlockSizes.for_shapes(d, i, group_size, bits)
+        if problem := rows_problem(d, i, bits, group_size, bs):
+            raise ValueError(problem)
+        return _moe_rows(x, idx, weights, gate, up, down, bits=bits, group_size=group_size, bs=bs, interpret=interpret)
     bs = block_sizes or BlockSizes.for_shapes(d, i, group_size)
-    _check(x, idx, weights, gate, up, down, bits, group_size, bs)
+    _check_tiles(d, i, group_size, bs)
     n, k = idx.shape
     e = gate[0].shape[0]
     if idx.size <= bs.sort_above:
@@ -230,6 +243,192 @@ def moe(x: jax.Array, idx: jax.Array, weights: jax.Array, gate: tuple, up: tuple
         name="moe_down",
     )(tile_expert, h, comb, *down)
     return combine(jnp.take(y, row_of_pair, axis=0).reshape(n, k, d), x.dtype)
+
+
+# --- Lane-round rows (decode, verify): tiles of the chosen experts x column blocks x K slices --------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RowsBlockSizes:
+    """Tiles of the lane-round kernels (``moe(..., rows=True)``); all but ``sort_above`` depend on (D, I) alone."""
+
+    block_m: int = 16  # pair rows per tile; Triton's dot needs >= 16
+    block_n: int = 64  # output columns per program: the weight tile is the MMA's left operand (64 rows: wgmma's M)
+    block_k: int = 256  # inputs per K tile: one dot of K = block_k * bits / 32 words per bit field
+    split_gate_up: int = 4  # K slices of D in kernel 1 (f32 partials, summed in slot order 0..S-1 outside)
+    split_down: int = 1  # K slices of I in kernel 2
+    num_warps: int = 4
+    num_stages: int = 3
+    sort_above: int = 128  # pairs above which tiles group pairs by expert (each expert's bytes read once a tile)
+
+    @classmethod
+    def for_shapes(cls, d: int, i: int, group_size: int = 64, bits: int = 4, programs: int = 32,
+                   **kw) -> RowsBlockSizes:
+        """Smallest K split giving >= ``programs`` programs an expert (column blocks x slices), from the shape alone:
+        at one row (k = 8) that is 8 * programs programs a kernel, 256 by default for the H100's 132 SMs."""
+        block_n = kw.pop("block_n", 64)
+        block_k = kw.pop("block_k", next((b for b in (256, 128, 512) if d % b == 0 and i % b == 0
+                                          and b >= group_size and b * bits // 32 >= 16), 256))
+
+        def split(n_out, k_in):
+            tiles = max(k_in // block_k, 1)
+            divisors = [s for s in range(1, tiles + 1) if tiles % s == 0]
+            return next((s for s in divisors if (n_out // block_n) * s >= programs), divisors[-1])
+
+        return cls(block_n=block_n, block_k=block_k, split_gate_up=split(i, d), split_down=split(d, i), **kw)
+
+
+def fields_first(x: jax.Array, block_k: int, bits: int) -> jax.Array:
+    """``[..., K]`` with each K tile's inputs in bit-field order: tile position ``f * W + w`` holds input
+    ``(32 // bits) * w + f`` (W = block_k * bits // 32 words), the input that bit field f of word w multiplies."""
+    per_word = 32 // bits
+    lead, k = x.shape[:-1], x.shape[-1]
+    return x.reshape(*lead, k // block_k, block_k // per_word, per_word).swapaxes(-1, -2).reshape(*lead, k)
+
+
+def _rows_tile(acc, x, w_ref, s_ref, b_ref, e, j, kt, *, bits, group_size, block_n, block_k):
+    """acc [bn, bm] f32 + expert e's rows [j * bn, (j + 1) * bn) over K tile kt against the tile's x rows.
+
+    x(f) -> [bm, W]: the rows' inputs that field f of the tile's W words meets (x in `fields_first` order). No reshape
+    of the weight tile: each bit field of the loaded words is one [bn, W] operand, dequantized with its word's group
+    scale and bias (gathered per word: a group's words share them), one dot each, fields in order 0..per_word-1."""
+    per_word, words = 32 // bits, block_k * bits // 32
+    groups, words_per_group = block_k // group_size, group_size * bits // 32
+    packed = w_ref[e, pl.ds(j * block_n, block_n), pl.ds(kt * words, words)]  # [bn, W] uint32
+    r = j * block_n + lax.broadcasted_iota(jnp.int32, (block_n, words), 0)
+    c = kt * groups + lax.broadcasted_iota(jnp.int32, (block_n, words), 1) // words_per_group
+    s, b = s_ref[e, r, c].astype(jnp.float32), b_ref[e, r, c].astype(jnp.float32)  # [bn, W]: each word's group
+    for f in range(per_word):
+        q = (packed >> jnp.uint32(bits * f)) & jnp.uint32((1 << bits) - 1)
+        q = lax.bitcast_convert_type(q | jnp.uint32(_MAGIC), jnp.float32) - jnp.float32(2.0**23)  # exact, no I2F
+        w = (q * s + b).astype(x(f).dtype)  # as `dequantize`: f32 affine, then the model dtype
+        acc = acc + lax.dot_general(w, x(f), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return acc
+
+
+def _rows_gate_up_kernel(pair_ref, tile_ref, x_ref, gw, gs, gb, uw, us, ub, g_ref, u_ref, *, k, bits, group_size,
+                         block_n, block_k, tiles):
+    # grid (T, I / bn, S); pair_ref [bm] i32 the tile's pairs (-1: none); x_ref [N, D] fields first; g*/u* whole
+    # [E, I, ...]; g_ref/u_ref whole [S, P + 1, I] f32: slice s's partial sums of each pair's gate and up, and a spare
+    # last row that masked-off rows address (no two stores of live rows ever meet)
+    t, j, sl = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    e = tile_ref[t]
+    pair = pair_ref[...]
+    block_m = pair.shape[0]
+    live = (pair >= 0)[:, None]
+    kw = dict(bits=bits, group_size=group_size, block_n=block_n, block_k=block_k)
+
+    @pl.when(e >= 0)
+    def _():
+        words = block_k * bits // 32
+        rows = (jnp.maximum(pair, 0) // k)[:, None] + jnp.zeros((block_m, words), jnp.int32)
+        cols = lax.broadcasted_iota(jnp.int32, (block_m, words), 1)
+
+        def body(step, acc):
+            kt = sl * tiles + step
+            xs = [plgpu.load(x_ref.at[rows, kt * block_k + f * words + cols], mask=live, other=0)
+                  for f in range(32 // bits)]  # loaded once for gate and up
+            x = xs.__getitem__
+            return (_rows_tile(acc[0], x, gw, gs, gb, e, j, kt, **kw), _rows_tile(acc[1], x, uw, us, ub, e, j, kt, **kw))
+
+        zero = jnp.zeros((block_n, block_m), jnp.float32)
+        g, u = lax.fori_loop(0, tiles, body, (zero, zero))
+        out_r = jnp.where(pair >= 0, pair, g_ref.shape[1] - 1)[:, None] + jnp.zeros((block_m, block_n), jnp.int32)
+        out_c = j * block_n + lax.broadcasted_iota(jnp.int32, (block_m, block_n), 1)
+        plgpu.store(g_ref.at[sl, out_r, out_c], g.T, mask=live)
+        plgpu.store(u_ref.at[sl, out_r, out_c], u.T, mask=live)
+
+
+def _rows_down_kernel(pair_ref, tile_ref, h_ref, dw, ds_, db, y_ref, *, bits, group_size, block_n, block_k, tiles):
+    # grid (T, D / bn, S); h_ref [P, I] fields first (a pair's silu(gate) * up); y_ref whole [S, P + 1, D] f32
+    t, j, sl = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    e = tile_ref[t]
+    pair = pair_ref[...]
+    block_m = pair.shape[0]
+    live = (pair >= 0)[:, None]
+    kw = dict(bits=bits, group_size=group_size, block_n=block_n, block_k=block_k)
+
+    @pl.when(e >= 0)
+    def _():
+        words = block_k * bits // 32
+        rows = jnp.maximum(pair, 0)[:, None] + jnp.zeros((block_m, words), jnp.int32)
+        cols = lax.broadcasted_iota(jnp.int32, (block_m, words), 1)
+
+        def body(step, acc):
+            kt = sl * tiles + step
+            x = lambda f: plgpu.load(h_ref.at[rows, kt * block_k + f * words + cols], mask=live, other=0)
+            return _rows_tile(acc, x, dw, ds_, db, e, j, kt, **kw)
+
+        acc = lax.fori_loop(0, tiles, body, jnp.zeros((block_n, block_m), jnp.float32))
+        out_r = jnp.where(pair >= 0, pair, y_ref.shape[1] - 1)[:, None] + jnp.zeros((block_m, block_n), jnp.int32)
+        out_c = j * block_n + lax.broadcasted_iota(jnp.int32, (block_m, block_n), 1)
+        plgpu.store(y_ref.at[sl, out_r, out_c], acc.T, mask=live)
+
+
+def rows_problem(d: int, i: int, bits: int, group_size: int, bs: RowsBlockSizes) -> str | None:
+    """Why the lane-round kernels cannot tile experts of shape (D, I) with ``bs``, or None when they can."""
+    for name in ("block_m", "block_n", "block_k"):
+        v = getattr(bs, name)
+        if v < 16 or v & (v - 1):
+            return f"{name}={v} must be a power of 2 >= 16"
+    if bs.block_k * bits // 32 < 16:
+        return f"block_k={bs.block_k} gives {bs.block_k * bits // 32} words a tile at {bits=}; Triton's dot needs >= 16"
+    if bs.block_k % group_size:
+        return f"block_k={bs.block_k} must be a multiple of {group_size=}"
+    for name, v, split in (("D", d, bs.split_gate_up), ("I", i, bs.split_down)):
+        if v % bs.block_n or v % (bs.block_k * split):
+            return f"{name}={v} must be a multiple of block_n={bs.block_n} and of block_k * split = {bs.block_k} * {split}"
+    return None
+
+
+def _sum_slices(p: jax.Array) -> jax.Array:
+    """[S, ...] f32 partials summed in slice order 0..S-1 (elementwise: the same for every row)."""
+    acc = p[0]
+    for s in range(1, p.shape[0]):
+        acc = acc + p[s]
+    return acc
+
+
+def _moe_rows(x, idx, weights, gate, up, down, *, bits, group_size, bs: RowsBlockSizes, interpret):
+    """The lane-round kernels: grid (tiles, column blocks, K slices); pairs read and written through their index, so
+    no padded copy of x or of any intermediate exists; every program reads only its tile's expert's weight tiles."""
+    n, k = idx.shape
+    d, i, e = x.shape[1], gate[0].shape[1], gate[0].shape[0]
+    p = n * k
+    if p <= bs.sort_above:
+        tile_expert, pair_row, _ = pair_tiles(idx, bs.block_m)
+    else:
+        tile_expert, pair_row, _ = placement(idx, e, bs.block_m)
+    tiles, bm, bn = tile_expert.shape[0], bs.block_m, bs.block_n
+    s1, s2 = bs.split_gate_up, bs.split_down
+    params = plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages)
+    whole = pl.no_block_spec
+    pairs = pl.BlockSpec((bm,), lambda t, j, s: (t,))
+    kw = dict(bits=bits, group_size=group_size, block_n=bn, block_k=bs.block_k)
+    partial = jax.ShapeDtypeStruct((s1, p + 1, i), jnp.float32)
+    g, u = pl.pallas_call(
+        functools.partial(_rows_gate_up_kernel, k=k, tiles=d // bs.block_k // s1, **kw),
+        grid=(tiles, i // bn, s1),
+        in_specs=[pairs, whole, whole] + [whole] * 6,
+        out_specs=(whole, whole),
+        out_shape=(partial, partial),
+        compiler_params=params,
+        interpret=interpret,
+        name="moe_rows_gate_up",
+    )(pair_row, tile_expert, fields_first(x, bs.block_k, bits), *gate, *up)
+    h = fields_first(silu_mul(_sum_slices(g[:, :p]), _sum_slices(u[:, :p]), x.dtype), bs.block_k, bits)  # [P, I]
+    y = pl.pallas_call(
+        functools.partial(_rows_down_kernel, tiles=i // bs.block_k // s2, **kw),
+        grid=(tiles, d // bn, s2),
+        in_specs=[pairs, whole, whole] + [whole] * 3,
+        out_specs=whole,
+        out_shape=jax.ShapeDtypeStruct((s2, p + 1, d), jnp.float32),
+        compiler_params=params,
+        interpret=interpret,
+        name="moe_rows_down",
+    )(pair_row, tile_expert, h, *down)
+    y = _sum_slices(y[:, :p]).astype(x.dtype).astype(jnp.float32) * weights.reshape(p, 1).astype(jnp.float32)
+    return combine(y.reshape(n, k, d), x.dtype)
 
 
 def combine(y: jax.Array, dtype) -> jax.Array:

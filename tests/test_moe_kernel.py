@@ -113,6 +113,65 @@ def test_interpret_rows_bit_identical_alone_and_among_other_rows_and_experts():
     _check_rows_invariant(f, 128, 6, 2, jnp.float32, seed=6, m_values=(3, 16))
 
 
+# Lane-round rows (`moe(..., rows=True)`): tiles x column blocks x K slices, pairs read and written by index.
+ROWS_SMALL = moe.RowsBlockSizes(block_n=64, block_k=128, split_gate_up=2, split_down=1)
+
+
+@pytest.mark.parametrize("n,k,e,bits,group_size", [(1, 2, 8, 4, 32), (5, 3, 6, 4, 64), (9, 2, 4, 8, 32)])
+def test_rows_interpret_matches_reference_and_each_expert_by_hand(n, k, e, bits, group_size):
+    """K split 2 ways in kernel 1 (4 at 8 bits: 64-input tiles), both placements (a tile a pair, pairs sorted)."""
+    rng = np.random.default_rng(40 + n)
+    stacks = _experts(rng, e, 256, 128, bits, group_size, jnp.float32)
+    idx, w = _routing(rng, n, k, e, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((n, 256)), jnp.float32)
+    r = moe.reference(x, idx, w, *stacks, bits=bits, group_size=group_size)
+    want = _by_hand(x, idx, w, stacks, bits, group_size)
+    bs = ROWS_SMALL if bits == 4 else dataclasses.replace(ROWS_SMALL, block_k=64, split_gate_up=4, split_down=2)
+    for sort_above in (128, 2):
+        y = moe.moe(x, idx, w, *stacks, bits=bits, group_size=group_size, rows=True, interpret=True,
+                    block_sizes=dataclasses.replace(bs, sort_above=sort_above))
+        assert y.shape == (n, 256) and y.dtype == jnp.float32
+        assert _rel_err(y, r) < 1e-5 and _rel_err(y, want) < 1e-5, sort_above
+
+
+def test_rows_interpret_matches_reference_in_bf16():
+    rng = np.random.default_rng(47)
+    stacks = _experts(rng, 16, 256, 128, 4, 64, jnp.bfloat16)
+    idx, w = _routing(rng, 6, 4, 16, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((6, 256)), jnp.bfloat16)
+    y = moe.moe(x, idx, w, *stacks, rows=True, block_sizes=ROWS_SMALL, interpret=True)
+    assert y.dtype == jnp.bfloat16
+    assert _rel_err(y, moe.reference(x, idx, w, *stacks)) < 1e-2
+
+
+def test_rows_interpret_rows_bit_identical_alone_and_among_1_to_16_rows_with_other_experts():
+    """A row alone (a tile of its own) equals the same row among 2..16 rows with fresh rows and experts: up to 4
+    rows a tile a pair; 5 and more rows (10+ pairs > sort_above) share tiles sorted by expert with other rows."""
+    rng = np.random.default_rng(48)
+    stacks = _experts(rng, 6, 256, 128, 4, 32, jnp.float32)
+    bs = dataclasses.replace(ROWS_SMALL, sort_above=8)
+    f = lambda x, i, w: moe.moe(x, i, w, *stacks, group_size=32, rows=True, block_sizes=bs, interpret=True)
+    _check_rows_invariant(f, 256, 6, 2, jnp.float32, seed=49, m_values=(2, 3, 5, 16))
+
+
+def test_fields_first_puts_each_bit_field_against_its_inputs():
+    """Tile position f * W + w holds input 8 * w + f (4-bit): what field f of word w multiplies."""
+    x = jnp.arange(2 * 512, dtype=jnp.float32).reshape(2, 512)
+    p = np.asarray(moe.fields_first(x, 256, 4))
+    assert p[1, 256 + 3 * 32 + 5] == 512 + 256 + 8 * 5 + 3
+    np.testing.assert_array_equal(np.sort(p, axis=1), np.asarray(x))
+
+
+def test_rows_block_sizes_split_k_from_the_expert_shape_only():
+    """moe35a3 (D 2048, I 512): kernel 1 splits D 4 ways (8 column blocks x 4 = 32 programs an expert), kernel 2 has
+    32 column blocks of D already."""
+    bs = moe.RowsBlockSizes.for_shapes(2048, 512, 64, 4)
+    assert (bs.block_n, bs.block_k, bs.split_gate_up, bs.split_down) == (64, 256, 4, 1)
+    assert moe.rows_problem(2048, 512, 4, 64, bs) is None
+    assert "words a tile" in moe.rows_problem(2048, 512, 4, 64, moe.RowsBlockSizes(block_k=64))
+    assert "block_k * split" in moe.rows_problem(2048, 512, 4, 64, moe.RowsBlockSizes(split_down=4))
+
+
 def test_pair_tiles_give_each_pair_the_first_row_of_its_own_tile():
     idx = jnp.asarray([[3, 1], [0, 3]], jnp.int32)
     tile_expert, pair_row, row_of_pair = (np.asarray(a) for a in moe.pair_tiles(idx, 16))
@@ -188,6 +247,11 @@ def test_lowers_to_triton_for_cuda_without_a_gpu():
     text = f.trace(sd((16, 2048), jnp.bfloat16), sd((16, 8), jnp.int32), sd((16, 8), jnp.bfloat16),
                    stack(512, 2048), stack(512, 2048), stack(2048, 512)).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text and "moe_gate_up" in text and "moe_down" in text
+    rows = jax.jit(functools.partial(moe.moe, bits=4, group_size=64, rows=True))
+    for n in (1, 16, 64):  # a tile a pair; pairs sorted into tiles
+        text = rows.trace(sd((n, 2048), jnp.bfloat16), sd((n, 8), jnp.int32), sd((n, 8), jnp.bfloat16),
+                          stack(512, 2048), stack(512, 2048), stack(2048, 512)).lower(lowering_platforms=("cuda",))
+        assert "moe_rows_gate_up" in text.as_text() and "moe_rows_down" in text.as_text()
 
 
 # The same cases compiled on a GPU: `pytest -m gpu tests/test_moe_kernel.py` on the device.
@@ -208,11 +272,24 @@ def test_gpu_matches_reference_at_the_moe35a3_shape(n):
 
 
 @pytest.mark.gpu
-def test_gpu_rows_bit_identical_alone_and_among_1_to_16_rows():
+@pytest.mark.parametrize("n", [1, 4, 16, 40])
+def test_gpu_rows_kernels_match_reference_at_the_moe35a3_shape(n):
+    assert jax.default_backend() == "gpu"
+    rng = np.random.default_rng(50 + n)
+    stacks = _moe35a3(rng)
+    idx, w = _routing(rng, n, 8, 256, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((n, 2048)), jnp.bfloat16)
+    y = moe.moe(x, idx, w, *stacks, rows=True)
+    assert _rel_err(y, moe.reference(x, idx, w, *stacks)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [False, True], ids=["prompt", "rows"])
+def test_gpu_rows_bit_identical_alone_and_among_1_to_16_rows(rows):
     assert jax.default_backend() == "gpu"
     rng = np.random.default_rng(30)
     stacks = _moe35a3(rng)
-    f = jax.jit(lambda x, i, w: ops.experts(x, i, w, *stacks, bits=4, group_size=64))
+    f = jax.jit(lambda x, i, w: ops.experts(x, i, w, *stacks, bits=4, group_size=64, rows=rows))
     _check_rows_invariant(f, 2048, 256, 8, jnp.bfloat16, seed=31, m_values=tuple(range(1, 17)))
 
 
@@ -222,8 +299,9 @@ def test_gpu_rows_bit_identical_when_every_row_shares_one_expert():
     assert jax.default_backend() == "gpu"
     rng = np.random.default_rng(32)
     stacks = _moe35a3(rng, e=8)
-    f = jax.jit(lambda x, i, w: moe.moe(x, i, w, *stacks))
-    _check_rows_invariant(f, 2048, 8, 8, jnp.bfloat16, seed=33, m_values=(16, 64))
+    for rows in (False, True):
+        f = jax.jit(lambda x, i, w, rows=rows: moe.moe(x, i, w, *stacks, rows=rows))
+        _check_rows_invariant(f, 2048, 8, 8, jnp.bfloat16, seed=33, m_values=(16, 64))
 
 
 def test_every_moe35a3_linear_shape_traces_through_the_gpu_dispatch():
@@ -252,8 +330,8 @@ def test_every_moe35a3_linear_shape_traces_through_the_gpu_dispatch():
         sd = jax.ShapeDtypeStruct
         stack = lambda o, i: (sd((256, o, i // 8), jnp.uint32), sd((256, o, i // 64), jnp.bfloat16),
                               sd((256, o, i // 64), jnp.bfloat16))
-        for m in (1, 16, 2048):
-            y = jax.eval_shape(functools.partial(ops.experts, bits=4, group_size=64), sd((m, 2048), jnp.bfloat16),
-                               sd((m, 8), jnp.int32), sd((m, 8), jnp.bfloat16), stack(512, 2048), stack(512, 2048),
-                               stack(2048, 512))
+        for m, rows in ((1, True), (16, True), (128, True), (1, False), (16, False), (2048, False)):
+            y = jax.eval_shape(functools.partial(ops.experts, bits=4, group_size=64, rows=rows),
+                               sd((m, 2048), jnp.bfloat16), sd((m, 8), jnp.int32), sd((m, 8), jnp.bfloat16),
+                               stack(512, 2048), stack(512, 2048), stack(2048, 512))
             assert y.shape == (m, 2048)

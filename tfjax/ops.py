@@ -500,18 +500,24 @@ def qmatmul(x: jax.Array, weight: jax.Array, scales: jax.Array, biases: jax.Arra
 
 
 def experts(x: jax.Array, idx: jax.Array, weights: jax.Array, gate: tuple, up: tuple, down: tuple, *,
-            bits: int | None, group_size: int = 64) -> jax.Array:
+            bits: int | None, group_size: int = 64, rows: bool = False) -> jax.Array:
     """Routed SwiGLU experts: x [N, D], idx/weights [N, k] -> sum_s weights[:, s] * expert_idx[:, s](x), [N, D].
 
     gate/up/down are (weight, scales, biases) stacks [E, out, ...] in the MLX layout, or (weight,) dense (`bits`
-    is the quantized stacks' width; None when all are dense). Only the chosen experts are read: on GPU the grouped
-    Pallas kernel (`pallas_kernels.moe`) for quantized stacks it serves; elsewhere its reference one row a loop
-    iteration (row-invariant)."""
+    is the quantized stacks' width; None when all are dense). Only the chosen experts are read: on GPU the Pallas
+    kernels (`pallas_kernels.moe`) for quantized stacks they serve, lane-round `rows` (decode, verify) the K-split
+    kernels and prompts the grouped GEMM; elsewhere the reference one row a loop iteration (row-invariant)."""
     d, i = x.shape[-1], gate[0].shape[1]
     if _gpu() and bits is not None and all(len(s) == 3 for s in (gate, up, down)):
-        bs = moe.BlockSizes.for_shapes(d, i, group_size)
-        if d % bs.block_n == 0 and i % bs.block_n == 0 and d % bs.block_k == 0 and i % bs.block_k == 0:
-            return moe.moe(x, idx, weights, gate, up, down, bits=bits, group_size=group_size, block_sizes=bs)
+        if rows:
+            bs = moe.RowsBlockSizes.for_shapes(d, i, group_size, bits)
+            if moe.rows_problem(d, i, bits, group_size, bs) is None:
+                return moe.moe(x, idx, weights, gate, up, down, bits=bits, group_size=group_size, block_sizes=bs,
+                               rows=True)
+        else:
+            bs = moe.BlockSizes.for_shapes(d, i, group_size)
+            if d % bs.block_n == 0 and i % bs.block_n == 0 and d % bs.block_k == 0 and i % bs.block_k == 0:
+                return moe.moe(x, idx, weights, gate, up, down, bits=bits, group_size=group_size, block_sizes=bs)
     # one row a loop iteration: a tile of padding rows would gather and dequantize k experts each for nothing
     one = lambda t: moe.reference(t[0][None], t[1][None], t[2][None], gate, up, down, bits=bits, group_size=group_size)
     return fenced_map(lambda t: one(t)[0], (x, idx, weights))

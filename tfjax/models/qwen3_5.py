@@ -130,7 +130,7 @@ class SparseMoE(nnx.Module):
         probs = jax.nn.softmax(logits, axis=-1)
         top_p, top_i = jax.lax.top_k(probs, self.top_k)
         top_p = (top_p / jnp.sum(top_p, axis=-1, keepdims=True)).astype(x.dtype)
-        routed = self.experts(xf, top_i, top_p)
+        routed = self.experts(xf, top_i, top_p, rows)
         shared = self.shared_expert(xf, rows) * jax.nn.sigmoid(self.shared_expert_gate(xf, rows))
         return (routed + shared).reshape(*lead, d)
 
@@ -167,14 +167,15 @@ class Experts(nnx.Module):
             return (p["weight"][...],)
         return p["weight"][...], p["scales"][...], p["biases"][...]
 
-    def __call__(self, x: jax.Array, idx: jax.Array, weight: jax.Array) -> jax.Array:
-        """x [N, D], idx/weight [N, k] -> sum_k weight * expert_idx(x) [N, D], reading only the chosen experts."""
+    def __call__(self, x: jax.Array, idx: jax.Array, weight: jax.Array, rows: bool = False) -> jax.Array:
+        """x [N, D], idx/weight [N, k] -> sum_k weight * expert_idx(x) [N, D], reading only the chosen experts;
+        `rows`: lane-round rows (the row-invariant decode kernels on GPU)."""
         quantized = {q for _, q in self.quants if q is not None}  # a projection may stay dense (in % group)
         if len(quantized) > 1:
             raise ValueError(f"the experts' quantized projections must share one (bits, group), got {self.quants}")
         bits, group = quantized.pop() if quantized else (None, 64)
         return ops.experts(x, idx, weight, self.stack("gate_proj"), self.stack("up_proj"), self.stack("down_proj"),
-                           bits=bits, group_size=group)
+                           bits=bits, group_size=group, rows=rows)
 
 
 class Qwen3_5DecoderLayer(DecoderLayer):

@@ -46,10 +46,14 @@ class Kernels:
     delta_chunked: prompt chunks' DeltaNet through the chunked Pallas kernel (two launches a layer) instead of
         XLA's scan over chunks; experimental, off until a GPU shows it wins
         (`scripts/bench_graph.py --sections base,delta_prompt,prefill`).
+    moe_rows: lane-round rows (decode, verify) of the routed experts through the K-split kernels
+        (`pallas_kernels.moe`, `rows=True`) instead of the grouped GEMM's decode placement; experimental, off until a
+        GPU shows it wins and passes its row-invariance tests (`scripts/gpu_moe31.sh`).
     """
 
     pallas: bool = False
     delta_chunked: bool = False
+    moe_rows: bool = False
 
     @classmethod
     def default(cls) -> Kernels:
@@ -509,7 +513,7 @@ def experts(x: jax.Array, idx: jax.Array, weights: jax.Array, gate: tuple, up: t
     kernels and prompts the grouped GEMM; elsewhere the reference one row a loop iteration (row-invariant)."""
     d, i = x.shape[-1], gate[0].shape[1]
     if _gpu() and bits is not None and all(len(s) == 3 for s in (gate, up, down)):
-        if rows:
+        if rows and active().moe_rows:
             bs = moe.RowsBlockSizes.for_shapes(d, i, group_size, bits)
             if moe.rows_problem(d, i, bits, group_size, bs) is None:
                 return moe.moe(x, idx, weights, gate, up, down, bits=bits, group_size=group_size, block_sizes=bs,

@@ -24,7 +24,7 @@ LLAMA = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_si
 
 def _worker(case: str, *args: str) -> dict:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
-    if os.environ.get("TFJAX_TP_TEST_DEVICES") != "real":  # scripts/gpu_tp.sh runs them on the GPUs
+    if os.environ.get("TFJAX_TP_TEST_DEVICES") != "real":  # scripts/device/gpu_tp.sh runs them on the GPUs
         env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     run = subprocess.run([sys.executable, __file__, case, *args], env=env, cwd=ROOT, capture_output=True, text=True,
                          timeout=3600)

@@ -48,7 +48,7 @@ class Kernels:
         (`scripts/bench_graph.py --sections base,delta_prompt,prefill`).
     moe_rows: lane-round rows (decode, verify) of the routed experts through the K-split kernels
         (`pallas_kernels.moe`, `rows=True`) instead of the grouped GEMM's decode placement; experimental, off until a
-        GPU shows it wins and passes its row-invariance tests (`scripts/gpu_moe31.sh`).
+        GPU shows it wins and passes its row-invariance tests (`scripts/device/gpu_moe31.sh`).
     """
 
     pallas: bool = False

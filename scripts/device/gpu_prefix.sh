@@ -1,6 +1,6 @@
 # Issue 28 (prefix cache) on one H100 80GB or H200, from the repository root, no internet, <= 400 s.
-#   bash scripts/gpu_prefix.sh         dense27 bench_prefix (the run that ran out of memory), SmolLM2 8 turns on/off (~300 s)
-#   bash scripts/gpu_prefix.sh probe   compiled memory of a dense27 prompt chunk with/without the barrier, and where the
+#   bash scripts/device/gpu_prefix.sh         dense27 bench_prefix (the run that ran out of memory), SmolLM2 8 turns on/off (~300 s)
+#   bash scripts/device/gpu_prefix.sh probe   compiled memory of a dense27 prompt chunk with/without the barrier, and where the
 #                            cache-on engine's extra ~5 ms a request comes from (~350 s)
 # Needs .gpu/models/dense27 (config + tokenizer) and /root/sm (SmolLM2 MLX 4-bit). Writes tables to $OUT.
 set -u

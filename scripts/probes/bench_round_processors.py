@@ -2,7 +2,7 @@
 
 Times `lane_round` compiled without the processors (`RoundSpec.processors=False`, what the runner dispatches
 while no live lane uses them) against compiled with them but unused.
-`python scripts/bench_round_processors.py [MODEL]` (a packaged name, folder or hub id; default smollm2)
+`python scripts/probes/bench_round_processors.py [MODEL]` (a packaged name, folder or hub id; default smollm2)
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # For the lead: issue 33 (tensor parallel) on real GPUs; run on kind nvidia-h100-x4 from the repo root, one part a
-# call (each under 10 min):  bash scripts/gpu_tp_real.sh tests   |   bash scripts/gpu_tp_real.sh bench
+# call (each under 10 min):  bash scripts/device/gpu_tp_real.sh tests   |   bash scripts/device/gpu_tp_real.sh bench
 # tests: tests/test_tensor_parallel.py on the 4 GPUs (TFJAX_TP_TEST_DEVICES=real: the workers see the real devices;
 #        -m "slow or not slow" also keeps conftest off the CPU), logits and token_sha256 at TP=1/2/4 and 2x2.
 # bench: dense27 4-bit decode step time and logits sha256 at TP=1/2/4 (must agree), and the GPU compile's collectives.

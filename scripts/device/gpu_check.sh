@@ -2,7 +2,7 @@
 # The GPU check of a tree, run from its root on the device: the GPU test suite, dense27 4-bit decode (random weights)
 # and SmolLM2 bench_generate (exactness and tok/s). Run it on the old tree and the new one in the same session.
 #
-#   SMOLLM2=/root/smollm2 bash scripts/gpu_check.sh [OUT_DIR]
+#   SMOLLM2=/root/smollm2 bash scripts/device/gpu_check.sh [OUT_DIR]
 #
 # SMOLLM2: a SmolLM2 folder (config.json and tokenizer; with model.safetensors real weights are used, else random
 # 4-bit ones, `--random-weights 4 --exact`). Trees before issue 27 need JAX_PLATFORMS=cuda for `pytest -m gpu`.

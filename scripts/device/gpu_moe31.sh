@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 31, the routed experts' decode kernels on one H100, from the checkout root (no internet):
-#   bash scripts/gpu_moe31.sh        (~2.5 min, at most 200 s: each step has a timeout)
+#   bash scripts/device/gpu_moe31.sh        (~2.5 min, at most 200 s: each step has a timeout)
 # Prints: 1. `pytest -m gpu tests/test_moe_kernel.py` (kernel == reference at moe35a3's shape for the grouped GEMM and
 # the lane-round K-split kernels; rows bit-identical alone and among 1..16 rows, both paths); its last 15 lines.
 # 2. scripts/bench_moe_rows.py: one moe35a3 layer's routed experts at 1, 4, 16 decode rows, old (grouped GEMM in its

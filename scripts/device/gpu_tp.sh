@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Tensor parallel on a multi-GPU host (issue 35): the sharded tests on real devices, then dense27 4-bit decode at
 # TP=1/2/4 (step time and logits sha256, which must agree across degrees). Run from the repo root:
-#   bash scripts/gpu_tp.sh 2>&1 | tee tp_gpu.log
+#   bash scripts/device/gpu_tp.sh 2>&1 | tee tp_gpu.log
 set -euo pipefail
 export PYTHONPATH=.
 nvidia-smi -L

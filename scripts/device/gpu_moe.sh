@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 31 on the GPU, from the checkout root:  bash scripts/gpu_moe.sh   (at most ~7 min: each step has a timeout,
+# Issue 31 on the GPU, from the checkout root:  bash scripts/device/gpu_moe.sh   (at most ~7 min: each step has a timeout,
 # rows print as they finish)
 # 1. the routed-experts kernel's GPU tests; 2. moe35a3 4-bit (random weights, 19.5 GB) decode at 1 and 16 lanes at
 # 2k against the measured-copy roofline, and a 2k prompt; 3. drafted == plain token_sha256 (bench_generate --exact).

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # For the lead: issue 29's structured-output throughput on SmolLM2 (the MLX 4-bit folder at /root/sm) on one GPU,
-# from the repo root, under 400 s:  bash scripts/gpu_schema.sh
+# from the repo root, under 400 s:  bash scripts/device/gpu_schema.sh
 # Installs the carried wheels (outlines-core, starlette, uvicorn, ...) under /tmp/site, then runs
 # scripts/bench_schema.py twice, 8 lanes, 128 tokens a reply, greedy, median of 3 runs, compile excluded:
 #   engine: llm.generate_many of 8 replies: plain, penalties+bias, json_schema, json_schema+logprobs

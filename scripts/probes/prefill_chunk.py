@@ -2,6 +2,7 @@
 
   PYTHONPATH=. python3 scripts/probes/prefill_chunk.py --model smollm2 --chunks 64,128,256 --tokens 1536
   PYTHONPATH=. python3 scripts/probes/prefill_chunk.py --geometry tiny_dense --chunks 64,128,256 --tokens 1536
+  PYTHONPATH=. python3 scripts/probes/prefill_chunk.py --geometry dense27 --random-weights 4 (a GPU)
 
 The chunk is the prefix cache's resume grid (docs/prefix_cache.md), so a smaller one resumes closer to a shared
 prefix's end; this measures what it costs a cold prompt. A prompt's time is a one-token generation of it (every
@@ -23,18 +24,23 @@ from tfjax import api
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2", help="a checkpoint (its tokenizer) or packaged name")
-    ap.add_argument("--geometry", default=None, help="a named geometry with random float32 weights (tiny_dense...)")
+    ap.add_argument("--geometry", default=None, help="a named geometry with random weights (tiny_dense, dense27...)")
+    ap.add_argument("--random-weights", type=int, default=0, metavar="BITS", help="MLX BITS-bit (0: unquantized)")
     ap.add_argument("--chunks", default="64,128,256")
     ap.add_argument("--tokens", type=int, default=1536)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--dtype", default=None, help="the checkpoint's weights cast to this dtype (float32...)")
     args = ap.parse_args()
-    kw = dict(lanes=1, context=max(2048, args.tokens + 64), prefix_cache_gb=0.0)
+    kw = dict(lanes=1, context=max(2048, args.tokens + 64), prefix_cache_gb=0.0, dtype=args.dtype)
     if args.geometry is not None:
         from flax import nnx
 
         from tfjax import geometry, models
+        from tfjax.config import QuantConfig
 
         config = geometry.named(args.geometry)
+        if args.random_weights:
+            config = config.replace(quantization=QuantConfig(bits=args.random_weights, group_size=64))
         kw["model"] = (nnx.merge(*models.random_params(config)), config)
     chunks = [int(c) for c in args.chunks.split(",")]
     first = api.load(args.model, prefill_chunk=chunks[0], **kw)
@@ -51,7 +57,7 @@ def main():
                 times[c].append(time.perf_counter() - t)
     import jax
 
-    print(f"{args.geometry or args.model} on {jax.devices()[0].device_kind}: a {args.tokens}-token prompt, cache off, "
+    print(f"{args.geometry or args.model} ({first.config.dtype}) on {jax.devices()[0].device_kind}: a {args.tokens}-token prompt, cache off, "
           f"median (min-max) of {args.reps}, chunks alternated; load average "
           f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print("| chunk | calls | prefill ms | tok/s |")

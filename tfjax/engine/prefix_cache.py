@@ -11,7 +11,7 @@ Invariants:
   recurrent state sits on the page ending there; the snapshot goes when that page is evicted, or earlier
   when the slots are full and it is the least recently used one. A prefill saves one at every multiple of
   `snapshot_every` tokens and at its prompt's last boundary (where the next turn of a chat resumes), not at
-  every chunk boundary: a snapshot can be ~40x a chunk of KV pages (`budget`).
+  every chunk boundary: dense27's snapshot is ~37x the KV pages of a 64-token chunk (`budget`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ SNAPSHOT_EVERY = 256  # tokens between a hybrid prefix's snapshots (besides each
 
 
 def snapshot_interval(chunk: int) -> int:
-    """Tokens between saved snapshots: the chunk's multiple nearest `SNAPSHOT_EVERY` from above."""
+    """Tokens between saved snapshots: the smallest multiple of the chunk that is at least `SNAPSHOT_EVERY`."""
     return -(-SNAPSHOT_EVERY // chunk) * chunk
 
 

@@ -1,12 +1,13 @@
 """Time to first token of each turn of an 8-turn conversation with the prefix cache on and off.
 
-  PYTHONPATH=. python3 scripts/bench_prefix.py --model smollm2
+  PYTHONPATH=. python3 scripts/bench_prefix.py --model smollm2 [--chunks 64,128,256]
   PYTHONPATH=. python3 scripts/bench_prefix.py --geometry dense27 --random-weights 4 --prefix-cache-gb 8
 
 Each turn's prompt is the chat so far (earlier messages and replies) plus a new user message. A turn's time to
 first token is a one-token generation of that prompt (the prefill and the first sample); the reply itself is
 generated after it, `--reply` tokens with EOS ignored, and becomes the next turn's history. Per run the cache
-starts empty; the first run of each engine only compiles, then runs alternate between the engines. Every reply's
+starts empty; the first run of each engine only compiles, then runs alternate between the engines (cache off,
+and cache on at each `--chunks` prefill chunk, the prefix cache's resume grid). Every reply's
 token_sha256 with the cache on is compared with the cache off (resumed == fresh). `--random-weights BITS` follows bench_generate.py (random MLX
 weights of `--model`'s geometry, or of `--geometry NAME`'s with `--model`'s tokenizer); with random weights the
 turns are built in token space (prompt + reply ids + the next message's ids), since random replies are no text.
@@ -89,7 +90,9 @@ def main():
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--dtype", default=None, help="the checkpoint's weights cast to this dtype (float32 on a CPU)")
-    ap.add_argument("--prefix-cache-gb", type=float, default=2.0, help="the cache-on engine's budget")
+    ap.add_argument("--prefix-cache-gb", type=float, default=2.0, help="the cache-on engines' budget")
+    ap.add_argument("--chunks", default=None, help="prefill chunks of the cache-on engines, e.g. 64,128,256 (default: "
+                    "the platform's); the cache-off engine takes the first")
     args = ap.parse_args()
     kw = dict(lanes=1, context=args.context, dtype=args.dtype)
     if args.geometry is not None:
@@ -97,40 +100,47 @@ def main():
     elif args.random_weights is not None:
         kw["model"] = random_model(args.model, args.random_weights)
     token_space = args.geometry is not None or args.random_weights is not None
-    engines = {"on": api.load(args.model, prefix_cache_gb=args.prefix_cache_gb, **kw),
-               "off": api.load(args.model, prefix_cache_gb=0.0, **kw)}
+    chunks = [int(c) for c in args.chunks.split(",")] if args.chunks else [None]
+    off = api.load(args.model, prefix_cache_gb=0.0, prefill_chunk=chunks[0], **kw)
+    kw["model"] = (off.model, off.config)  # one set of weights for every engine
+    engines = {f"on {c or off.engine.runner.chunk}": api.load(args.model, prefix_cache_gb=args.prefix_cache_gb,
+                                                              prefill_chunk=c, **kw) for c in chunks}
+    engines["off"] = off
+    ons = [name for name in engines if name != "off"]
     import jax
 
     print(f"{args.geometry or args.model} on {jax.devices()[0].device_kind}, jax {jax.__version__}"
           + (f", random {args.random_weights}-bit weights" if args.random_weights is not None else "")
-          + f"; {args.turns} turns, {args.reply}-token replies, prefill chunk {engines['on'].engine.runner.chunk}, "
-          f"median (min-max) of {args.runs} runs")
+          + f"; {args.turns} turns, {args.reply}-token replies, cache off at prefill chunk {off.engine.runner.chunk}, "
+          f"median (min-max) of {args.runs} runs; load average {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
     runs = {name: [] for name in engines}
     for llm in engines.values():
         conversation(llm, args.turns, args.reply, token_space)  # compiles every chunk count the runs meet
-    one_message = engines["off"].encode([{"role": "user", "content": MESSAGES[0]}])
+    one_message = off.encode([{"role": "user", "content": MESSAGES[0]}])
     single = []
-    for _ in range(args.runs):  # on and off alternate, so a change in the machine's load hits both alike
+    for _ in range(args.runs):  # the engines alternate, so a change in the machine's load hits all alike
         for name, llm in engines.items():
             runs[name].append(conversation(llm, args.turns, args.reply, token_space))
-        single.append(ttft(engines["off"], one_message)[0])
-    print("| turn | prompt tokens | cached (skipped) | TTFT off, ms | TTFT on, ms | on / one message | "
-          "reply hash on == off |")
-    print("|---|---|---|---|---|---|---|")
+        single.append(ttft(off, one_message)[0])
     one = statistics.median(single)
+    print("| turn | prompt tokens | TTFT off, ms | " + " | ".join(
+        f"{n}: cached, TTFT ms, / one message" for n in ons) + " | reply hash on == off |")
+    print("|---|---|---|" + "---|" * len(ons) + "---|")
     for t in range(args.turns):
-        n, cached, _, _ = runs["on"][0][t]
-        off = [r[t][2] for r in runs["off"]]
-        on = [r[t][2] for r in runs["on"]]
-        same = sum(a[t][3] == b[t][3] for a, b in zip(runs["on"], runs["off"], strict=True))
-        print(f"| {t + 1} | {n} | {cached} | {spread(off)} | {spread(on)} | {statistics.median(on) / one:.2f} | "
-              f"{same}/{args.runs} |")
+        n = runs["off"][0][t][0]
+        cells = []
+        for name in ons:
+            on = [r[t][2] for r in runs[name]]
+            cells.append(f"{runs[name][0][t][1]}, {spread(on)}, {statistics.median(on) / one:.2f}")
+        same = sum(a[t][3] == b[t][3] for name in ons for a, b in zip(runs[name], runs["off"], strict=True))
+        print(f"| {t + 1} | {n} | {spread([r[t][2] for r in runs['off']])} | {' | '.join(cells)} | "
+              f"{same}/{args.runs * len(ons)} |")
     print(f"one-message request ({len(one_message)} tokens): TTFT {spread(single)} ms; load average "
           f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}")
-    stats = engines["on"].engine.prefix_stats
-    print(f"cache on, all runs: {stats.hits}/{stats.lookups} lookups hit, {stats.cached_tokens} of "
-          f"{stats.prompt_tokens} prompt tokens skipped, {stats.evictions} pages evicted")
-
+    for name in ons:
+        stats = engines[name].engine.prefix_stats
+        print(f"cache {name}, all runs: {stats.hits}/{stats.lookups} lookups hit, {stats.cached_tokens} of "
+              f"{stats.prompt_tokens} prompt tokens skipped, {stats.evictions} pages evicted")
 
 if __name__ == "__main__":
     main()

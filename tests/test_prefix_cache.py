@@ -35,8 +35,11 @@ def _model(built, name):
     return built[name]
 
 
-def _engine(target, drafter=None, copies=True, gb=0.0001, lanes=LANES):
-    engine = Engine(target, lanes, drafter=drafter, eos_ids=(), prefix_cache_gb=gb, prefill_chunk=CHUNK)
+GB = 0.001  # hybrids: 4 snapshot slots (the cap: four times the lanes' pages, in 256-token snapshot intervals)
+
+
+def _engine(target, drafter=None, copies=True, gb=GB, lanes=LANES, chunk=CHUNK):
+    engine = Engine(target, lanes, drafter=drafter, eos_ids=(), prefix_cache_gb=gb, prefill_chunk=chunk)
     engine.runner.set_facts(RoundFacts(copy_match=1 if copies else 0, draft_block=engine.runner.spec.facts.draft_block))
     return engine
 
@@ -45,12 +48,12 @@ def _words(seed: int, n: int) -> list[int]:
     return np.random.default_rng(seed).integers(0, 250, n).tolist()
 
 
-def _conversations(seed: int) -> list[dict]:
-    """Turn 1 of a greedy and of a sampled conversation (a repeated span so copies fire)."""
+def _conversations(seed: int, head: int = 17) -> list[dict]:
+    """Turn 1 of a greedy and of a sampled conversation: `head` words, then a repeated span so copies fire."""
     out = []
     for i, params in enumerate(({}, SAMPLED)):
         span = _words(seed + 7 * i, 10)
-        out.append(dict(prompt=_words(seed + 7 * i + 1, 17) + span + span, params=params))
+        out.append(dict(prompt=_words(seed + 7 * i + 1, head) + span + span, params=params))
     return out
 
 
@@ -60,17 +63,19 @@ def _turn2(engine, convs) -> list[list[int]]:
     return [c["prompt"] + r.token_ids + _words(99 + i, 9) for i, (c, r) in enumerate(zip(convs, first, strict=True))]
 
 
-def _resumed_equals_fresh(target, drafter=None, copies=True, seed=0, gb=0.0001):
-    convs = _conversations(seed)
-    warm = _engine(target, drafter, copies, gb)
+def _resumed_equals_fresh(target, drafter=None, copies=True, seed=0, gb=GB, lanes=LANES, chunk=CHUNK, head=17):
+    """Turn 2 resumed after turn 1's full chunks (turn 1: `head` + 20 tokens) equals it on a cold engine."""
+    convs = _conversations(seed, head)
+    warm = _engine(target, drafter, copies, gb, lanes, chunk)
     prompts = _turn2(warm, convs)
     resumed = warm.run([Request(p, max_tokens=12, **c["params"]) for p, c in zip(prompts, convs, strict=True)])
-    fresh = _engine(target, drafter, copies, gb).run([Request(p, max_tokens=12, **c["params"])
-                                                  for p, c in zip(prompts, convs, strict=True)])
+    fresh = _engine(target, drafter, copies, gb, lanes, chunk).run([Request(p, max_tokens=12, **c["params"])
+                                                                    for p, c in zip(prompts, convs, strict=True)])
+    full = (head + 20) // warm.runner.chunk * warm.runner.chunk  # turn 1's full chunks
     for r, f in zip(resumed, fresh, strict=True):
         assert r.token_sha256 == f.token_sha256, (r.token_ids, f.token_ids)
-        assert r.cached_tokens == 32 and f.cached_tokens == 0  # turn 1's full chunks; a cold engine has none
-    assert warm.prefix_stats.hits == 2 and warm.prefix_stats.cached_tokens == 64
+        assert r.cached_tokens == full > 0 and f.cached_tokens == 0  # a cold engine has none
+    assert warm.prefix_stats.hits == 2 and warm.prefix_stats.cached_tokens == 2 * full
     return resumed
 
 
@@ -86,11 +91,21 @@ def test_turn_two_resumed_from_the_cache_equals_a_cold_engine(built, name, copie
         assert sum(r.proposed for r in resumed) > 0, "copies never proposed: the test would not exercise them"
 
 
+@pytest.mark.parametrize("name", ["dense", "llama"])
+def test_turn_two_resumed_on_the_platforms_default_grid_equals_a_cold_engine(built, name):
+    """The engine's own prefill chunk (64 on the CPU) and page size (16): turn 1 ends mid-chunk and mid-page (two
+    chunks and 37 tokens), turn 2 resumes at its last full chunk (a hybrid's snapshot taken at the prompt's last
+    boundary, not a multiple of the snapshot interval), greedy and sampled."""
+    chunk = Engine(_model(built, name), LANES, eos_ids=()).runner.chunk
+    lanes = LaneConfig(capacity=2, width=4, context=4 * chunk, page_size=16)
+    _resumed_equals_fresh(_model(built, name), copies=False, lanes=lanes, chunk=None, head=2 * chunk + 17)
+
+
 @SLOW
 def test_resumed_equals_fresh_with_a_draft_model(built):
     drafter = models.build(geometry.tiny_dense.replace(num_hidden_layers=2, layer_types=("linear_attention",
                                                                                          "full_attention")), seed=12)
-    resumed = _resumed_equals_fresh(_model(built, "dense"), drafter=drafter, seed=3, gb=0.0003)  # 4 snapshots
+    resumed = _resumed_equals_fresh(_model(built, "dense"), drafter=drafter, seed=3)
     assert all(r.proposed > 0 for r in resumed)
 
 
@@ -101,7 +116,7 @@ def test_resumed_equals_fresh_with_a_block_drafter(built):
     raw = drafter_config(vocab_size=geometry.tiny_dense.vocab_size)
     raw["dflash_config"].update(block_size=4, target_layer_ids=[0, 2, 3])
     drafter = dflash2.build(dflash2.DFlashConfig.from_dict(raw), seed=12).bind(geometry.tiny_dense)
-    resumed = _resumed_equals_fresh(_model(built, "dense"), drafter=drafter, seed=5, gb=0.0003)
+    resumed = _resumed_equals_fresh(_model(built, "dense"), drafter=drafter, seed=5)
     assert all(r.proposed > 0 for r in resumed)
 
 
@@ -124,9 +139,9 @@ def test_shared_and_evicted_pages_never_reach_a_lane_that_reads_them(built):
     target = _model(built, "dense")
     system = _words(40, 48)
     reqs = [dict(prompt=system + _words(41, 5), max_tokens=30), dict(prompt=system + _words(42, 9), max_tokens=8),
-            *[dict(prompt=_words(50 + i, 56), max_tokens=6, **SAMPLED) for i in range(6)]]
+            *[dict(prompt=_words(50 + i, 100), max_tokens=6, **SAMPLED) for i in range(6)]]
     alone = [_engine(target).run([Request(**r)])[0] for r in reqs]
-    engine = _engine(target)  # 32 lane pages + 8 extra: the pool fills with cached pages and evicts
+    engine = _engine(target, gb=0.0002)  # 32 lane pages + 32 extra and one slot: 78 pages to cache, so it evicts
     engine.run([Request(system + _words(43, 3), max_tokens=4)])  # caches the system prompt's 48 tokens
     ids = [engine.submit(Request(**r)) for r in reqs]
     shared = 0
@@ -188,7 +203,7 @@ def test_a_prefix_resumes_on_the_chunk_grid_and_only_from_committed_pages():
 
 
 def test_hybrid_resume_needs_a_snapshot_and_saves_each_new_boundary():
-    pc = PrefixCache(pages=12, page_size=2, chunk=4, snapshots=3, hybrid=True)
+    pc = PrefixCache(pages=12, page_size=2, chunk=4, snapshots=3, hybrid=True, snapshot_every=4)
     p = _prompt(13)
     plan = pc.allocate(p, 7)
     assert sorted(plan.saves) == [4, 8, 12]
@@ -203,6 +218,20 @@ def test_hybrid_resume_needs_a_snapshot_and_saves_each_new_boundary():
     assert plan.pages[1] not in pc.snap_of and plan.pages[1] in pc.key_of
     held = pc.allocate(p[:9] + [3, 3, 3], 5)
     assert held.resume == 8 and held.restore == slot8
+
+
+def test_a_hybrid_prefill_snapshots_each_interval_and_its_prompts_last_boundary_only():
+    pc = PrefixCache(pages=40, page_size=2, chunk=4, snapshots=8, hybrid=True, snapshot_every=8)
+    p = _prompt(23)  # boundaries 4, 8, 12, 16, 20
+    plan = pc.allocate(p, 12)
+    assert sorted(plan.saves) == [8, 16, 20]
+    pc.commit(p, plan)
+    assert pc.allocate(p + [5, 5], 12).resume == 20, "the next turn resumes at the last boundary"
+    branch = pc.allocate(p[:14] + [9] * 6, 10)
+    assert branch.resume == 8 and branch.restore == pc.snap_of[plan.pages[3]], "no snapshot at 12: back to 8"
+    assert sorted(branch.saves) == [16, 20] and pc.allocate(p[:7] + [9] * 3, 5).resume == 0
+    with pytest.raises(ValueError, match="multiple of the chunk"):
+        PrefixCache(pages=4, page_size=2, chunk=4, snapshots=1, hybrid=True, snapshot_every=6)
 
 
 def test_eviction_takes_the_least_recently_used_idle_page_never_a_held_one():
@@ -270,6 +299,7 @@ def test_with_one_snapshot_slot_a_resume_falls_back_to_a_shallower_boundary_and_
     conv = _conversations(8)[1]  # sampled
     engine = _engine(target)  # the shapes and facts of the dense case above (no new compile)
     del engine.prefix.free_slots[1:]  # the bookkeeping hands out one of the pool's slots
+    engine.prefix.snapshot_every = CHUNK  # a snapshot at every boundary
     (turn2,) = _turn2(engine, [conv])
     cold = _engine(target).run([Request(turn2, max_tokens=8, **conv["params"])])[0]
     resumed = engine.run([Request(turn2, max_tokens=8, **conv["params"])])[0]

@@ -40,7 +40,7 @@ def test_one_request_in_a_four_lane_engine_equals_a_one_lane_engine(target):
 
 
 def test_prompt_chunks_are_padded_to_a_bucket_of_their_length_and_pages(target):
-    runner = Engine(target, LaneConfig(capacity=1, width=5, context=1024), eos_ids=()).runner
+    runner = Engine(target, LaneConfig(capacity=1, width=5, context=1024), eos_ids=(), prefill_chunk=256).runner
     shapes = lambda n, resume=0: [(t.shape[1], s, v, p) for t, s, v, p in runner._chunks(np.arange(n), resume)]  # noqa: E731
     assert shapes(22) == [(32, 0, 22, 2)]
     assert shapes(5) == [(16, 0, 5, 1)]

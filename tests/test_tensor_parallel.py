@@ -155,7 +155,7 @@ def case_tokens(name: str, meshes: str = "1x1,2x1,4x1,2x2") -> dict:
     out = {}
     for mesh in meshes.split(","):
         tp, dp = map(int, mesh.split("x"))
-        engine = Engine(_model(name, tp, dp), lanes, eos_ids=(), prefix_cache_gb=0.0001, prefill_chunk=16)
+        engine = Engine(_model(name, tp, dp), lanes, eos_ids=(), prefix_cache_gb=0.001, prefill_chunk=16)
         for mode, params in modes.items():
             for draft in (True, False):
                 rs = engine.run([Request(p, max_tokens=10, draft=draft, **kw) for p, kw in zip(prompts, params,

@@ -61,7 +61,8 @@ class LLM:
 
     def __init__(self, path: Path, *, drafter: str | Path | None = None, lanes: int = 4, width: int = 8,
                  context: int = 2048, copy_match: int = 0, copies: bool = True, dtype: str | None = None,
-                 model=None, prefix_cache_gb: float = PREFIX_CACHE_GB, tp: int | None = None, dp: int = 1):
+                 model=None, prefix_cache_gb: float = PREFIX_CACHE_GB, tp: int | None = None, dp: int = 1,
+                 prefill_chunk: int | None = None):
         self.path = path
         # tp: tensor parallel over a (data=dp, model=tp) mesh, exact across tp (`tfjax.sharding`); None: one device
         mesh = sharding.serving_mesh(tp, dp, lanes)
@@ -94,7 +95,8 @@ class LLM:
         self.lanes = LaneConfig(capacity=lanes, width=width, context=context)
         eos = tuple(self.tokenizer.eos_ids) or self.config.eos_token_id
         self.grammars = grammar.Grammars(self.tokenizer, eos, self.config.vocab_size)  # response_format
-        self.engine = Engine(self.model, self.lanes, drafter=draft_model, eos_ids=eos, prefix_cache_gb=prefix_cache_gb)
+        self.engine = Engine(self.model, self.lanes, drafter=draft_model, eos_ids=eos, prefix_cache_gb=prefix_cache_gb,
+                             prefill_chunk=prefill_chunk)  # None: the platform's (`runner.default_prefill_chunk`)
         if copy_match or not copies:  # copy_match replaces the merged facts' match; copies=False turns them off
             facts = self.engine.runner.spec.facts
             self.engine.runner.set_facts(RoundFacts(copy_match=(copy_match or facts.copy_match) if copies else 0,

@@ -2,6 +2,8 @@
 #   bash scripts/device/gpu_prefix.sh         dense27 bench_prefix (the run that ran out of memory), SmolLM2 8 turns on/off (~300 s)
 #   bash scripts/device/gpu_prefix.sh probe   compiled memory of a dense27 prompt chunk with/without the barrier, and where the
 #                            cache-on engine's extra ~5 ms a request comes from (~350 s)
+#   bash scripts/gpu_prefix.sh chunk   the prefill chunk (resume grid) on the GPU: SmolLM2 prefill rate and 8 turns at
+#                            64/128/256 (~300 s; docs/prefix_cache.md "The chunk")
 # Needs .gpu/models/dense27 (config + tokenizer) and /root/sm (SmolLM2 MLX 4-bit). Writes tables to $OUT.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -25,6 +27,13 @@ if [ "${1:-bench}" = bench ]; then
   echo "== dense27 compiled memory (no weights), barrier on only"
   timeout 80 python3 scripts/probes/prefill_memory.py --geometry dense27 --bits 4 --prefix-cache-gb 8 \
     --skip-unordered 2>&1 | filt | tail -8 | tee "$OUT/prefill_memory.txt"
+elif [ "$1" = chunk ]; then
+  echo "== SmolLM2 4-bit: a 1536-token prompt's prefill at chunks 64/128/256, alternated"
+  timeout 120 python3 scripts/probes/prefill_chunk.py --model /root/sm --chunks 64,128,256 --tokens 1536 2>&1 | filt \
+    | tail -6 | tee "$OUT/prefill_chunk.txt"
+  echo "== SmolLM2 4-bit, 8 turns, cache off and on at chunks 64/128/256, alternated"
+  timeout 170 python3 scripts/bench_prefix.py --model /root/sm --runs 3 --chunks 64,128,256 2>&1 | filt | tail -16 \
+    | tee "$OUT/prefix_chunks.txt"
 else
   echo "== dense27 compiled memory (no weights): prompt chunk with and without the barrier, snapshot copies"
   timeout 200 python3 scripts/probes/prefill_memory.py --geometry dense27 --bits 4 --prefix-cache-gb 8 2>&1 | filt \

@@ -24,7 +24,7 @@ import jax
 
 from tfjax import sampling
 from tfjax.engine import prefix_cache
-from tfjax.engine.runner import Runner, cache_bytes
+from tfjax.engine.runner import Runner, cache_bytes, default_prefill_chunk
 from tfjax.engine.scheduler import LaneSlot, Request, Scheduler
 from tfjax.lanes.config import LaneConfig
 
@@ -61,13 +61,14 @@ class Engine:
     def __init__(self, target, lanes: LaneConfig, drafter=None, eos_ids: tuple[int, ...] = (),
                  prefix_cache_gb: float = 0.0, **runner_kw):
         self.lanes = lanes
-        chunk = runner_kw.get("prefill_chunk", 256)
+        chunk = runner_kw["prefill_chunk"] = runner_kw.get("prefill_chunk") or default_prefill_chunk()
         page_b, snap_b = cache_bytes((target, drafter), lanes.page_size)
-        extra, slots = prefix_cache.budget(prefix_cache_gb, page_b, snap_b, max(chunk // lanes.page_size, 1),
+        every = prefix_cache.snapshot_interval(chunk)
+        extra, slots = prefix_cache.budget(prefix_cache_gb, page_b, snap_b, max(every // lanes.page_size, 1),
                                            lanes.capacity * lanes.pages_per_lane)
         self.runner = Runner(target, lanes, drafter=drafter, extra_pages=extra, snapshot_slots=slots, **runner_kw)
         self.prefix = prefix_cache.PrefixCache(self.runner.pages, lanes.page_size, chunk, slots, hybrid=snap_b > 0,
-                                               enabled=prefix_cache_gb > 0)
+                                               enabled=prefix_cache_gb > 0, snapshot_every=every)
         self.scheduler = Scheduler(lanes.capacity, lanes.context, lanes.width, lanes.page_size, self.runner.pages,
                                    self.prefix)
         self.eos_ids = tuple(eos_ids)

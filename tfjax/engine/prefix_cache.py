@@ -9,7 +9,9 @@ Invariants:
   position 0) are cached; a resume starts on that grid, so it runs exactly the chunks a fresh prefill runs.
 - Hybrid models (`snapshots` > 0 slots): a grid boundary is resumable only where a snapshot of the lanes'
   recurrent state sits on the page ending there; the snapshot goes when that page is evicted, or earlier
-  when the slots are full and it is the least recently used one.
+  when the slots are full and it is the least recently used one. A prefill saves one at every multiple of
+  `snapshot_every` tokens and at its prompt's last boundary (where the next turn of a chat resumes), not at
+  every chunk boundary: dense27's snapshot is ~37x the KV pages of a 64-token chunk (`budget`).
 """
 
 from __future__ import annotations
@@ -31,18 +33,26 @@ def chain_keys(tokens: list[int], page_size: int, pages: int) -> list[bytes]:
     return keys
 
 
-def budget(gb: float, page_bytes: int, snapshot_bytes: int, pages_per_chunk: int, base_pages: int) -> tuple[int, int]:
-    """(extra KV pages, snapshot slots) that `gb` GiB buys: one slot per chunk of pages (a slot is needed only for
-    DeltaNet state), at most four times the lanes' own pool of pages (beyond that the tiny models' pages are so
-    small that a gigabyte would allocate hundreds of thousands of them)."""
+SNAPSHOT_EVERY = 256  # tokens between a hybrid prefix's snapshots (besides each prompt's last boundary)
+
+
+def snapshot_interval(chunk: int) -> int:
+    """Tokens between saved snapshots: the smallest multiple of the chunk that is at least `SNAPSHOT_EVERY`."""
+    return -(-SNAPSHOT_EVERY // chunk) * chunk
+
+
+def budget(gb: float, page_bytes: int, snapshot_bytes: int, pages_per_unit: int, base_pages: int) -> tuple[int, int]:
+    """(extra KV pages, snapshot slots) that `gb` GiB buys: one slot per `pages_per_unit` pages (a snapshot
+    interval's; a slot is needed only for DeltaNet state), at most four times the lanes' own pool of pages (beyond
+    that the tiny models' pages are so small that a gigabyte would allocate hundreds of thousands of them)."""
     if gb < 0:
         raise ValueError(f"prefix_cache_gb={gb} must be >= 0 (0 turns the prefix cache off)")
-    unit = pages_per_chunk * page_bytes + snapshot_bytes
-    units = min(int(gb * 2**30 // unit), 4 * base_pages // pages_per_chunk)
+    unit = pages_per_unit * page_bytes + snapshot_bytes
+    units = min(int(gb * 2**30 // unit), 4 * base_pages // pages_per_unit)
     if gb > 0 and snapshot_bytes and units < 1:
         raise ValueError(f"prefix_cache_gb={gb} holds no snapshot of this model's DeltaNet state "
-                         f"({unit / 2**20:.1f} MiB with a chunk of pages): raise it, or pass 0 to turn the cache off")
-    return units * pages_per_chunk, units if snapshot_bytes else 0
+                         f"({unit / 2**20:.1f} MiB with its pages): raise it, or pass 0 to turn the cache off")
+    return units * pages_per_unit, units if snapshot_bytes else 0
 
 
 @dataclasses.dataclass
@@ -70,10 +80,13 @@ class PrefixCache:
     """Page allocation with reuse of cached prompt prefixes (`enabled=False`: a plain free list)."""
 
     def __init__(self, pages: int, page_size: int, chunk: int, snapshots: int = 0, hybrid: bool = False,
-                 enabled: bool = True):
+                 enabled: bool = True, snapshot_every: int | None = None):
         if enabled and chunk % page_size:
             raise ValueError(f"prefill chunk {chunk} must be a multiple of page_size {page_size} for the prefix "
                              "cache (a resume starts on both grids)")
+        self.snapshot_every = snapshot_every or snapshot_interval(chunk)
+        if self.snapshot_every % chunk:
+            raise ValueError(f"snapshot_every={self.snapshot_every} must be a multiple of the chunk {chunk}")
         if enabled and hybrid and snapshots < 1:
             raise ValueError("a hybrid model's prefix cache needs at least one snapshot slot")
         self.page_size, self.chunk, self.hybrid, self.enabled = page_size, chunk, hybrid, enabled
@@ -126,7 +139,10 @@ class PrefixCache:
         plan = Plan(pages, resume, slot)
         if self.hybrid and self.enabled:
             keys = chain_keys(prompt, self.page_size, len(prompt) // self.page_size)
-            for end in range(resume + self.chunk, len(prompt) + 1, self.chunk):
+            last = len(prompt) // self.chunk * self.chunk
+            for end in range(resume + self.chunk, last + 1, self.chunk):
+                if end % self.snapshot_every and end != last:
+                    continue
                 cached = self.page_of.get(keys[end // self.page_size - 1])
                 slot_for_end = None if cached in self.snap_of else self._slot()
                 if slot_for_end is not None:

@@ -2,7 +2,7 @@
 #   bash scripts/device/gpu_prefix.sh         dense27 bench_prefix (the run that ran out of memory), SmolLM2 8 turns on/off (~300 s)
 #   bash scripts/device/gpu_prefix.sh probe   compiled memory of a dense27 prompt chunk with/without the barrier, and where the
 #                            cache-on engine's extra ~5 ms a request comes from (~350 s)
-#   bash scripts/gpu_prefix.sh chunk   the prefill chunk (resume grid) on the GPU: SmolLM2 prefill rate and 8 turns at
+#   bash scripts/device/gpu_prefix.sh chunk   the prefill chunk (resume grid) on the GPU: SmolLM2 prefill rate and 8 turns at
 #                            64/128/256 (~300 s; docs/prefix_cache.md "The chunk")
 # Needs .gpu/models/dense27 (config + tokenizer) and /root/sm (SmolLM2 MLX 4-bit). Writes tables to $OUT.
 set -u

@@ -260,26 +260,15 @@ def _moe35a3(rng, e=256):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [False, True], ids=["grouped", "rows"])
 @pytest.mark.parametrize("n", [1, 4, 16, 40])
-def test_gpu_matches_reference_at_the_moe35a3_shape(n):
+def test_gpu_matches_reference_at_the_moe35a3_shape(n, rows):
     assert jax.default_backend() == "gpu"
-    rng = np.random.default_rng(20 + n)
+    rng = np.random.default_rng((50 if rows else 20) + n)
     stacks = _moe35a3(rng)
     idx, w = _routing(rng, n, 8, 256, jnp.bfloat16)
     x = jnp.asarray(rng.standard_normal((n, 2048)), jnp.bfloat16)
-    y = moe.moe(x, idx, w, *stacks)
-    assert _rel_err(y, moe.reference(x, idx, w, *stacks)) < 1e-2
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n", [1, 4, 16, 40])
-def test_gpu_rows_kernels_match_reference_at_the_moe35a3_shape(n):
-    assert jax.default_backend() == "gpu"
-    rng = np.random.default_rng(50 + n)
-    stacks = _moe35a3(rng)
-    idx, w = _routing(rng, n, 8, 256, jnp.bfloat16)
-    x = jnp.asarray(rng.standard_normal((n, 2048)), jnp.bfloat16)
-    y = moe.moe(x, idx, w, *stacks, rows=True)
+    y = moe.moe(x, idx, w, *stacks, rows=rows)
     assert _rel_err(y, moe.reference(x, idx, w, *stacks)) < 1e-2
 
 

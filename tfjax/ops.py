@@ -345,8 +345,9 @@ def _attention_kernel(q: jax.Array, pages: KVPages, page_table: jax.Array, rows:
         per_head = max(1, mgpu_attn.DEFAULT.chunk_programs // g)  # programs a KV head at the whole model's heads
 
         def mosaic(q, k_pages, v_pages, table, pos):
-            bs = None if k_pages.shape[2] == g else dataclasses.replace(
-                mgpu_attn.DEFAULT, chunk_programs=per_head * k_pages.shape[2])
+            if k_pages.shape[2] == g:
+                return mgpu_attn.paged_attention(q, k_pages, v_pages, table, pos)
+            bs = dataclasses.replace(mgpu_attn.DEFAULT, chunk_programs=per_head * k_pages.shape[2])
             return mgpu_attn.paged_attention(q, k_pages, v_pages, table, pos, block_sizes=bs)
 
         return mosaic
@@ -354,7 +355,9 @@ def _attention_kernel(q: jax.Array, pages: KVPages, page_table: jax.Array, rows:
         chunk_k = pk.DEFAULT.chunk_for(page_table.shape[1] * page, g)  # keys a program at the whole model's heads
 
         def triton(q, k_pages, v_pages, table, pos):
-            bs = None if k_pages.shape[2] == g else dataclasses.replace(pk.DEFAULT, chunk_programs=0, chunk_k=chunk_k)
+            if k_pages.shape[2] == g:
+                return pk.paged_attention(q, k_pages, v_pages, table, pos)
+            bs = dataclasses.replace(pk.DEFAULT, chunk_programs=0, chunk_k=chunk_k)
             return pk.paged_attention(q, k_pages, v_pages, table, pos, block_sizes=bs)
 
         return triton

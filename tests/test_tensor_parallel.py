@@ -239,6 +239,59 @@ def test_each_device_holds_one_nth_of_every_sharded_parameter(dense_logits, tp):
     assert s["per_device"] == [s["sharded"] // int(tp) + replicated], s  # every device the same share
 
 
+@pytest.mark.parametrize("rows", [True, False], ids=["paged_rows", "flash_prompt"])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (8, 4), (12, 6)], ids=["kv_1_a_device", "kv_split", "kv_taken"])
+def test_attention_kernel_runs_on_each_devices_own_heads(monkeypatch, rows, heads, kv_heads):
+    """The GPU path's attention kernel (interpreted here) inside `shard_map`: each device passes it its own q heads
+    and their KV heads, the compiled program has no collective, and TP=1, 2, 4 equal the unsharded kernel bit for
+    bit (KV pages split where the degree divides them, else whole: one KV head a device, or its heads' KV heads)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from pallas_kernels import attention as pk
+    from pallas_kernels import flash_attention as fa
+    from tests.helpers import spy_interpreted
+    from tfjax import ops, sharding
+
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 devices")
+    module, name = (pk, "paged_attention") if rows else (fa, "flash_attention")
+    calls = spy_interpreted(monkeypatch, module, name, lambda a, kw: (a[0].shape[2], a[1].shape[2]))
+    rng = np.random.default_rng(12)
+    n_pages, page, e, width = 12, 16, 64, 5
+    pages = ops.KVPages(*(jnp.asarray(rng.standard_normal((n_pages, page, kv_heads, e)), jnp.float32)
+                          for _ in range(2)))
+    table = jnp.asarray(rng.permutation(n_pages)[: 2 * width].reshape(2, width), jnp.int32)
+    q = jnp.asarray(rng.standard_normal((2, 3, heads, e)), jnp.float32)
+    pos = jnp.asarray([[40, 41, 42], [10, 11, 12]], jnp.int32)
+
+    def attend(q, pages, table, pos, mesh=None):
+        with ops.using(ops.PALLAS), ops.using_mesh(mesh):
+            return ops.paged_attention(q, pages, table, pos, rows=rows)
+
+    want = jax.jit(attend)(q, pages, table, pos)
+    assert calls == [(heads, kv_heads)]
+    for tp in (1, 2, 4):
+        mesh = sharding.make_mesh(tp)
+        put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: B023, E731
+        kv = P(None, None, "model", None) if kv_heads % tp == 0 else P()
+        args = (put(q, P(None, None, "model", None)), ops.KVPages(put(pages.k, kv), put(pages.v, kv)),
+                put(table, P()), put(pos, P()))
+        calls.clear()
+        fn = jax.jit(lambda *a: attend(*a, mesh=mesh))  # noqa: B023
+        got = fn(*args)
+        np.testing.assert_array_equal(got, want, err_msg=f"{tp=}")
+        local_kv = kv_heads // tp if kv_heads % tp == 0 else (1 if tp % kv_heads == 0 else heads // tp)
+        assert calls == [(heads // tp, local_kv)], (tp, calls)
+        if tp > 1:
+            hlo = fn.lower(*args).compile().as_text()
+            assert "all-gather" not in hlo and "all-reduce" not in hlo and "all-to-all" not in hlo, tp
+            assert f"f32[2,3,{heads // tp},64]" in hlo, tp  # q and the output: a device's own heads
+
+
 @pytest.mark.parametrize("make,says", [
     (lambda s, n: s.make_mesh(4, 4), lambda n: f"tp=4 x dp=4 asks for 16 devices but {n} "),
     (lambda s, n: s.make_mesh(3), lambda n: "tp=3 is not a divisor of 8"),

@@ -312,17 +312,11 @@ def paged_attention(q: jax.Array, pages: KVPages, page_table: jax.Array, positio
 
     With kernels, a prompt chunk gathers the lane's keys and takes the causal flash kernel (6-10x the paged kernel
     on the H200); lane-round rows (decode, verify) take the row-invariant Mosaic GPU paged kernel, or the Triton one
-    for dtypes and page sizes it lacks (f32, tests); head dims no kernel takes fall back to the reference.
+    for dtypes and page sizes it lacks (f32, tests); head dims no kernel takes fall back to the reference. Under a
+    mesh the kernel runs on each device's own heads (`_kernel_per_shard`).
     """
-    e = q.shape[-1]
-    if _gpu():
-        if not rows and e in fa.HEAD_DIMS:
-            k, v = gather_pages(pages, page_table)
-            return fa.flash_attention(q, k, v, positions)
-        if mosaic_attention_serves(e, pages.k.shape[1], q.dtype, pages.k.dtype):
-            return mgpu_attn.paged_attention(q, pages.k, pages.v, page_table, positions)
-        if pk.supports(e):
-            return pk.paged_attention(q, pages.k, pages.v, page_table, positions)
+    if _gpu() and (kernel := _attention_kernel(q, pages, page_table, rows)) is not None:
+        return _kernel_per_shard(kernel, q, pages, page_table, positions)
     if rows and not _gpu():  # the CPU: each row reads only the key tiles up to its position
         if active_mesh() is None:
             return pk.paged_rows_reference(q, pages, page_table, positions)
@@ -334,6 +328,66 @@ def paged_attention(q: jax.Array, pages: KVPages, page_table: jax.Array, positio
         return per_head(lambda *a: (pk.attention_reference(*a, positions, rows, gpu=_gpu()),), [q, k, v],
                         [2, 2, 2], [2])[0]
     return pk.attention_reference(q, k, v, positions, rows, gpu=_gpu())
+
+
+def _attention_kernel(q: jax.Array, pages: KVPages, page_table: jax.Array, rows: bool):
+    """The kernel serving these shapes as fn(q, k pages, v pages, table, positions) over any share of the heads, or
+    None. Its key split is planned from the whole model's KV heads (`pages`), never a device's share, so each head's
+    chunks, hence its bits, are the same at every degree."""
+    e, page, g = q.shape[-1], pages.k.shape[1], pages.k.shape[2]
+    if not rows and e in fa.HEAD_DIMS:
+        def flash(q, k_pages, v_pages, table, pos):
+            k, v = gather_pages(KVPages(k_pages, v_pages), table)
+            return fa.flash_attention(q, k, v, pos)  # one head a program: no plan to fix
+
+        return flash
+    if mosaic_attention_serves(e, page, q.dtype, pages.k.dtype):
+        per_head = max(1, mgpu_attn.DEFAULT.chunk_programs // g)  # programs a KV head at the whole model's heads
+
+        def mosaic(q, k_pages, v_pages, table, pos):
+            if k_pages.shape[2] == g:
+                return mgpu_attn.paged_attention(q, k_pages, v_pages, table, pos)
+            bs = dataclasses.replace(mgpu_attn.DEFAULT, chunk_programs=per_head * k_pages.shape[2])
+            return mgpu_attn.paged_attention(q, k_pages, v_pages, table, pos, block_sizes=bs)
+
+        return mosaic
+    if pk.supports(e):
+        chunk_k = pk.DEFAULT.chunk_for(page_table.shape[1] * page, g)  # keys a program at the whole model's heads
+
+        def triton(q, k_pages, v_pages, table, pos):
+            if k_pages.shape[2] == g:
+                return pk.paged_attention(q, k_pages, v_pages, table, pos)
+            bs = dataclasses.replace(pk.DEFAULT, chunk_programs=0, chunk_k=chunk_k)
+            return pk.paged_attention(q, k_pages, v_pages, table, pos, block_sizes=bs)
+
+        return triton
+    return None
+
+
+def _kernel_per_shard(kernel, q: jax.Array, pages: KVPages, page_table: jax.Array, positions: jax.Array) -> jax.Array:
+    """kernel (`_attention_kernel`) on each device's own q heads inside `shard_map` (no collective): KV pages split by
+    KV head where the degree divides them; else whole, each device passing the kernel only its heads' KV heads (one,
+    where the degree is a multiple of the KV heads; a copy of that head's pages, until the kernels take a KV head
+    offset)."""
+    mesh = active_mesh()
+    if not _sharded(mesh):
+        return kernel(q, pages.k, pages.v, page_table, positions)
+    tp, h, g = mesh.shape[MODEL_AXIS], q.shape[2], pages.k.shape[2]
+    r, kv_split = h // g, g % tp == 0
+
+    def local(q, k, v, table, pos):  # q [B, T, H/tp, E], k/v [n, page, G/tp or G, E]
+        if not kv_split:
+            first = jax.lax.axis_index(MODEL_AXIS) * q.shape[2]  # this device's first q head
+            if tp % g == 0:  # its heads share one KV head
+                k, v = (jax.lax.dynamic_slice_in_dim(a, first // r, 1, axis=2) for a in (k, v))
+            else:
+                kv = (first + jnp.arange(q.shape[2])) // r
+                k, v = jnp.take(k, kv, axis=2), jnp.take(v, kv, axis=2)
+        return kernel(q, k, v, table, pos)
+
+    kv = _spec(4, 2 if kv_split else None)
+    return _shard_map(local, mesh, (_spec(4, 2), kv, kv, _spec(2, None), _spec(2, None)), _spec(4, 2))(
+        q, pages.k, pages.v, page_table, positions)
 
 
 def _paged_rows_per_head(q: jax.Array, pages: KVPages, page_table: jax.Array, positions: jax.Array) -> jax.Array:

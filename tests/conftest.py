@@ -9,12 +9,13 @@ import pytest
 
 
 def gpu_selected(markexpr: str) -> bool:
-    """Whether a `-m` expression selects tests marked `gpu` (and nothing else): `gpu` yes, `not gpu` no."""
+    """Whether a `-m` expression selects the `gpu` tests and not the unmarked ones: `gpu` yes; `not gpu`, `not slow` no."""
     if not markexpr:
         return False
     from _pytest.mark.expression import Expression
 
-    return Expression.compile(markexpr).evaluate(lambda name: name == "gpu")
+    expr = Expression.compile(markexpr)
+    return expr.evaluate(lambda name: name == "gpu") and not expr.evaluate(lambda name: False)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -8,7 +8,8 @@ from tests.conftest import gpu_selected
 
 
 @pytest.mark.parametrize("expr,want", [("gpu", True), ("gpu and not slow", True), ("not slow and not gpu", False),
-                                       ("slow", False), ("", False), ("gpu or slow", True)])
+                                       ("slow", False), ("", False), ("gpu or slow", True),
+                                       ("not slow", False), ("not gpu", False)])
 def test_only_a_marker_expression_that_selects_gpu_tests_leaves_the_cpu(expr, want):
     assert gpu_selected(expr) is want
 

@@ -117,7 +117,9 @@ def test_interpret_rows_bit_identical_alone_and_among_other_rows_and_experts():
 ROWS_SMALL = moe.RowsBlockSizes(block_n=64, block_k=128, split_gate_up=2, split_down=1)
 
 
-@pytest.mark.parametrize("n,k,e,bits,group_size", [(1, 2, 8, 4, 32), (5, 3, 6, 4, 64), (9, 2, 4, 8, 32)])
+@pytest.mark.parametrize("n,k,e,bits,group_size", [
+    (1, 2, 8, 4, 32), pytest.param(5, 3, 6, 4, 64, marks=pytest.mark.slow), pytest.param(9, 2, 4, 8, 32, marks=pytest.mark.slow),
+])  # fmt: skip  (the other two cases, ~15 s each interpreted, run with -m slow)
 def test_rows_interpret_matches_reference_and_each_expert_by_hand(n, k, e, bits, group_size):
     """K split 2 ways in kernel 1 (4 at 8 bits: 64-input tiles), both placements (a tile a pair, pairs sorted)."""
     rng = np.random.default_rng(40 + n)

@@ -136,6 +136,7 @@ def test_rows_interpret_matches_reference_and_each_expert_by_hand(n, k, e, bits,
         assert _rel_err(y, r) < 1e-5 and _rel_err(y, want) < 1e-5, sort_above
 
 
+@pytest.mark.slow  # ~16 s interpreted; the f32 cases run in CI
 def test_rows_interpret_matches_reference_in_bf16():
     rng = np.random.default_rng(47)
     stacks = _experts(rng, 16, 256, 128, 4, 64, jnp.bfloat16)
@@ -301,6 +302,7 @@ def test_gpu_rows_bit_identical_when_every_row_shares_one_expert():
         _check_rows_invariant(f, 2048, 8, 8, jnp.bfloat16, seed=33, m_values=(16, 64))
 
 
+@pytest.mark.slow  # ~45 s of tracing at moe35a3 shapes; tests/test_linear_shapes.py sends its linears through the dispatch in CI
 def test_every_moe35a3_linear_shape_traces_through_the_gpu_dispatch():
     """Each 4-bit Linear shape moe35a3 holds (N=1 shared-expert gate, N=256 router, ...) and its routed experts pass
     the GPU dispatch's shape checks, decode and prompt rows; lm_head is left out (a [248320, 2048] repack on the

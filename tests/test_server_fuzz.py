@@ -137,6 +137,7 @@ def served():
         assert status == 200 and reply["token_sha256"] == before, "the fuzzing changed a greedy reply"
 
 
+@pytest.mark.slow  # the two fuzz runs take ~80 s: `pytest -m slow tests/test_server_fuzz.py`
 def test_in_process_fuzz_never_gets_a_5xx_and_errors_have_openai_shape(served):
     url, app = served
     loop, seen = asyncio.new_event_loop(), collections.Counter()
@@ -161,6 +162,7 @@ def test_in_process_fuzz_never_gets_a_5xx_and_errors_have_openai_shape(served):
     assert request(connect(url), "GET", "/health")[0] == 200
 
 
+@pytest.mark.slow
 def test_socket_fuzz_never_gets_a_5xx_and_the_server_keeps_its_replies(served):
     url, _ = served
     seen = collections.Counter()

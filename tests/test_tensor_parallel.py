@@ -225,6 +225,7 @@ def test_logits_are_bit_identical_at_tp_1_2_and_4(dense_logits):
     assert hashes["2"] == hashes["1"] and hashes["4"] == hashes["1"], hashes
 
 
+@pytest.mark.slow  # ~45 s; the slow token test pins the same meshes through whole requests
 def test_lane_round_is_bit_identical_with_lanes_split_over_data():
     # dp > 1 once rounded DeltaNet's gates differently (XLA split the row tiles of the lanes over `data`)
     hashes = _worker("lane_rows", "tiny_dense")
@@ -240,7 +241,9 @@ def test_each_device_holds_one_nth_of_every_sharded_parameter(dense_logits, tp):
 
 
 @pytest.mark.parametrize("rows", [True, False], ids=["paged_rows", "flash_prompt"])
-@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (8, 4), (12, 6)], ids=["kv_1_a_device", "kv_split", "kv_taken"])
+@pytest.mark.parametrize("heads,kv_heads", [pytest.param(8, 2, marks=pytest.mark.slow), (8, 4),
+                                             pytest.param(12, 6, marks=pytest.mark.slow)],
+                         ids=["kv_1_a_device", "kv_split", "kv_taken"])  # CI runs the KV split; -m slow the others
 def test_attention_kernel_runs_on_each_devices_own_heads(monkeypatch, rows, heads, kv_heads):
     """The GPU path's attention kernel (interpreted here) inside `shard_map`: each device passes it its own q heads
     and their KV heads, the compiled program has no collective, and TP=1, 2, 4 equal the unsharded kernel bit for

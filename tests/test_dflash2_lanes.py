@@ -107,3 +107,23 @@ def test_a_round_whose_next_plan_is_a_copy_skips_the_block_and_stays_exact(targe
     assert skipped > 0 and drafted > 0, (skipped, drafted)
     plain = _run(target, [Request(prompt, max_tokens=40, draft=False)])[0]
     assert engine.results[rid].token_ids == plain.token_ids
+
+
+def test_block_drafter_prompt_chunks_read_the_pages_plain_reads(target, drafter, monkeypatch):
+    """The GPU's attention splits keys by the page table's width: the tapped prefill must see plain's bucket."""
+    from tfjax.lanes import blocks
+
+    seen = []
+
+    def spy(*args, pages=None, **kw):
+        seen.append(pages)
+        return prefill(*args, pages=pages, **kw)
+
+    prefill = blocks.prefill_chunk
+    monkeypatch.setattr(blocks, "prefill_chunk", spy)
+    runner = Engine(target, LANES, drafter=drafter, eos_ids=()).runner
+    prompt = np.asarray(_repetitive_prompt(41, 70), np.int32)
+    runner._prefill_with_taps(0, prompt, 0, None, {})
+    plain = [pages for *_, pages in runner._chunks(prompt, 0)]  # what `_prefill_model` passes plain's program
+    assert len(plain) > 1 and None not in plain and plain[0] < runner.lanes.pages_per_lane
+    assert seen == plain

@@ -183,10 +183,10 @@ class Runner:
         """Prompt chunks through the target, their tapped states into the block drafter's (paged) context."""
         st, logits = self.state, None
         st.cache = self._restore(0, st.cache, lane, restore)
-        for tokens, s, n, _ in self._chunks(prompt, resume):
+        for tokens, s, n, pages in self._chunks(prompt, resume):
             logits, st.cache, st.draft_cache = blocks.prefill_chunk(
                 self.target_def, self.target_params, self.drafter_def, self.drafter_params, st.cache, st.draft_cache,
-                jnp.int32(lane), tokens, jnp.int32(s), jnp.int32(n))
+                jnp.int32(lane), tokens, jnp.int32(s), jnp.int32(n), pages=pages)
             self._snapshot(0, st.cache, lane, s + n, saves)
         return logits
 

@@ -23,12 +23,17 @@ def _lane_view(cache: Cache, lane: jax.Array) -> Cache:
     return Cache(cache.layers, cache.page_table[lane][None])
 
 
-@functools.partial(jax.jit, static_argnames=("target_def", "drafter_def"), donate_argnames=("cache", "draft_cache"))
+@functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "pages"),
+                   donate_argnames=("cache", "draft_cache"))
 def prefill_chunk(target_def, target_params, drafter_def, drafter_params, cache: Cache, draft_cache: Cache,
-                  lane: jax.Array, tokens: jax.Array, start: jax.Array, valid: jax.Array):
-    """Feed one prompt chunk [1, C] of one lane to the target and the drafter's context: (logits [1, V], caches)."""
+                  lane: jax.Array, tokens: jax.Array, start: jax.Array, valid: jax.Array, pages: int | None = None):
+    """Feed one prompt chunk [1, C] of one lane to the target and the drafter's context: (logits [1, V], caches).
+    `pages`: the target reads the lane's first pages, as plain's `round.prefill_chunk` does (the same program's
+    attention, so the same bits on the GPU, whose kernels split keys by the table's width)."""
     drafter = models.merge(drafter_def, drafter_params)
     sub = lane_cache(cache, lane)
+    if pages is not None:
+        sub = dataclasses.replace(sub, page_table=sub.page_table[:, :pages])
     sub = dataclasses.replace(sub, layers=[reset_if_first(l, start) for l in sub.layers])
     mode = dataclasses.replace(PROMPT, taps=drafter.config.target_layer_ids)
     logits, sub, _, taps = models.merge(target_def, target_params)(tokens, start[None], valid[None], sub, mode)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tfjax import grammar, packaged
+from tfjax import grammar, packaged, profiling
 from tfjax.lanes.round import LaneState, choose_scores
 from tfjax.tokenizer import Tokenizer
 
@@ -82,16 +82,11 @@ def lane_rounds(args, cases: dict) -> None:
     prompt = llm.encode([{"role": "user", "content": "Describe a person who lives in Paris as JSON."}])
     per_lane = runner.lanes.pages_per_lane
 
-    def rounds(which, n=12) -> float:
+    def rounds(which) -> float:
         for lane in range(args.lanes):
             runner.prefill(lane, prompt, sampling.SamplingParams.create(1), True,
                            list(range(lane * per_lane, (lane + 1) * per_lane)), token_grammar=which)
-        jax.block_until_ready(runner.dispatch().tokens)  # compile / warm
-        t = time.perf_counter()
-        for _ in range(n):
-            out = runner.dispatch()
-        jax.block_until_ready(out.tokens)
-        return (time.perf_counter() - t) / n * 1e3
+        return profiling.round_ms(runner)
 
     times = {name: [] for name in cases}
     for _ in range(5):

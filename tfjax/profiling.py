@@ -31,6 +31,19 @@ def median_time(fn, args, reps: int = 20) -> float:
     return float(np.median(call_times(lambda: jax.block_until_ready(fn(*args)), reps)))
 
 
+def round_ms(runner, rounds: int = 12) -> float:
+    """Milliseconds a lane round of `runner`, pipelined: one round to compile and warm, then `rounds` dispatched
+    back to back and waited for once."""
+    import jax
+
+    jax.block_until_ready(runner.dispatch().tokens)
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        out = runner.dispatch()
+    jax.block_until_ready(out.tokens)
+    return (time.perf_counter() - t0) / rounds * 1e3
+
+
 def device_time(fn, args, match: str | None, calls: int = 3, per_call: int = 1) -> float:
     """Device seconds from the JAX profiler over `calls` calls of `fn(*args)` (compiled and warm first): the median
     launch of the kernels whose name holds `match`, or with `match=None` all kernels' time per call divided by

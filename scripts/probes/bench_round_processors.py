@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 
-import jax
-
-from tfjax import api, sampling
+from tfjax import api, profiling, sampling
 
 
 def main() -> None:
@@ -23,14 +20,9 @@ def main() -> None:
         runner.prefill(lane, llm.encode(f"Count to {lane + 20}: 1, 2, 3"), sampling.SamplingParams.create(1), True,
                        list(range(lane * runner.lanes.pages_per_lane, (lane + 1) * runner.lanes.pages_per_lane)))
 
-    def rounds(traced: bool, n=12) -> float:
+    def rounds(traced: bool) -> float:
         runner.processed = {0} if traced else set()  # as if lane 0 used them: the round traces the processors
-        jax.block_until_ready(runner.dispatch().tokens)  # compile / warm
-        t = time.perf_counter()
-        for _ in range(n):
-            out = runner.dispatch()
-        jax.block_until_ready(out.tokens)
-        return (time.perf_counter() - t) / n * 1e3
+        return profiling.round_ms(runner)
 
     times = {"absent": [], "present, unused": []}
     for _ in range(5):

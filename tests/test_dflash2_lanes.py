@@ -109,21 +109,22 @@ def test_a_round_whose_next_plan_is_a_copy_skips_the_block_and_stays_exact(targe
     assert engine.results[rid].token_ids == plain.token_ids
 
 
-def test_block_drafter_prompt_chunks_read_the_pages_plain_reads(target, drafter, monkeypatch):
-    """The GPU's attention splits keys by the page table's width: the tapped prefill must see plain's bucket."""
-    from tfjax.lanes import blocks
+def test_block_drafter_prompt_chunks_run_plains_program_with_taps(target, drafter, monkeypatch):
+    """The target's prompt chunk is plain's program (same pages, the taps as extra outputs), the drafter's absorb a
+    program apart: one program for both compiled the target differently on the GPU (issue 34)."""
+    from tfjax.lanes import round as lane_round
 
     seen = []
 
-    def spy(*args, pages=None, **kw):
-        seen.append(pages)
-        return prefill(*args, pages=pages, **kw)
+    def spy(*args, pages=None, taps=(), **kw):
+        seen.append((pages, taps))
+        return prefill(*args, pages=pages, taps=taps, **kw)
 
-    prefill = blocks.prefill_chunk
-    monkeypatch.setattr(blocks, "prefill_chunk", spy)
+    prefill = lane_round.prefill_chunk
+    monkeypatch.setattr(lane_round, "prefill_chunk", spy)
     runner = Engine(target, LANES, drafter=drafter, eos_ids=()).runner
     prompt = np.asarray(_repetitive_prompt(41, 70), np.int32)
     runner._prefill_with_taps(0, prompt, 0, None, {})
     plain = [pages for *_, pages in runner._chunks(prompt, 0)]  # what `_prefill_model` passes plain's program
     assert len(plain) > 1 and None not in plain and plain[0] < runner.lanes.pages_per_lane
-    assert seen == plain
+    assert seen == [(pages, (0, 2, 3)) for pages in plain]

@@ -157,7 +157,7 @@ def prefill_check(plain, dfl, ids: list[int]) -> None:
     _fresh(rp)
     cache = rp.state.cache
     for tokens, s, c, _ in rp._chunks(arr, 0):
-        logits, cache = lane_round_mod.prefill_chunk(rp.target_def, rp.target_params, cache, jnp.int32(0), tokens,
+        logits, cache, _ = lane_round_mod.prefill_chunk(rp.target_def, rp.target_params, cache, jnp.int32(0), tokens,
                                                      jnp.int32(s), jnp.int32(c), pages=None)
     rp.state.cache = cache
     runs["plain, whole page table"] = (logits, kv_of(plain, 0, n))

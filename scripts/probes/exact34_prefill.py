@@ -4,11 +4,13 @@ beside candidate fixes; prefill only, bit for bit.
   PYTHONPATH=. python3 scripts/probes/exact34_prefill.py --model /root/sm --drafter RUN/drafter --prompts RUN/prompts.jsonl.gz
 
 Per held-out prompt, into lane 0 from empty caches: plain's production prefill (the reference), then
-  production   the dflash2 engine's `blocks.prefill_chunk`
-  barrier      the same program with an optimization barrier between the target's outputs and the drafter's absorb
+  production   the dflash2 engine's prompt path (`runner._prefill_with_taps`)
+  barrier      the old single program (target, taps and absorb) with an optimization barrier before the absorb
   taps alone   the target with taps as outputs, no drafter in the program
 each with `same` or where its logits and K/V differ. Run it under several XLA_FLAGS (autotuning) to tell
-autotuning from fusion: exact34.py found the production program 1 row off at layer 5 on the H100, CPU same.
+autotuning from fusion. H100, 2026-12-06: the single program was a row or two off a few layers in on 3 of 4 held-out
+chats, with or without the barrier and under --xla_allow_excess_precision=false; `taps alone` was same on all: the
+production path is now that program plus a separate absorb (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -14,8 +14,7 @@ import jax.numpy as jnp
 
 from tfjax import models
 from tfjax.lanes.round import LaneState
-from tfjax.models.decoder import Cache, lane_cache, put_lane, reset_if_first
-from tfjax.models.layers import PROMPT
+from tfjax.models.decoder import Cache
 
 
 def _lane_view(cache: Cache, lane: jax.Array) -> Cache:
@@ -23,22 +22,17 @@ def _lane_view(cache: Cache, lane: jax.Array) -> Cache:
     return Cache(cache.layers, cache.page_table[lane][None])
 
 
-@functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "pages"),
-                   donate_argnames=("cache", "draft_cache"))
-def prefill_chunk(target_def, target_params, drafter_def, drafter_params, cache: Cache, draft_cache: Cache,
-                  lane: jax.Array, tokens: jax.Array, start: jax.Array, valid: jax.Array, pages: int | None = None):
-    """Feed one prompt chunk [1, C] of one lane to the target and the drafter's context: (logits [1, V], caches).
-    `pages`: the target reads the lane's first pages, as plain's `round.prefill_chunk` does (the same program's
-    attention, so the same bits on the GPU, whose kernels split keys by the table's width)."""
-    drafter = models.merge(drafter_def, drafter_params)
-    sub = lane_cache(cache, lane)
-    if pages is not None:
-        sub = dataclasses.replace(sub, page_table=sub.page_table[:, :pages])
-    sub = dataclasses.replace(sub, layers=[reset_if_first(l, start) for l in sub.layers])
-    mode = dataclasses.replace(PROMPT, taps=drafter.config.target_layer_ids)
-    logits, sub, _, taps = models.merge(target_def, target_params)(tokens, start[None], valid[None], sub, mode)
-    drafted = drafter.absorb(taps, start[None], valid[None], _lane_view(draft_cache, lane))
-    return logits, put_lane(cache, sub, lane), Cache(drafted.layers, draft_cache.page_table)
+@functools.partial(jax.jit, static_argnames=("drafter_def",), donate_argnames=("draft_cache",))
+def absorb_chunk(drafter_def, drafter_params, draft_cache: Cache, lane: jax.Array, taps: jax.Array, start: jax.Array,
+                 valid: jax.Array) -> Cache:
+    """The drafter's context absorbs one prompt chunk's tapped target states (`round.prefill_chunk(taps=...)`).
+
+    A program of its own: with the drafter in the target's chunk program, XLA compiled the target differently on
+    the GPU (a row of a layer one bf16 step off, then flipped near-tie tokens: issue 34); apart, the target's chunk
+    is plain's program with extra outputs, bit-identical to plain's (`scripts/probes/exact34_prefill.py`)."""
+    drafted = models.merge(drafter_def, drafter_params).absorb(taps, start[None], valid[None],
+                                                               _lane_view(draft_cache, lane))
+    return Cache(drafted.layers, draft_cache.page_table)
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "drafter_def"), donate_argnames=("state",))

@@ -5,7 +5,8 @@
 
 Each turn's prompt is the chat so far (earlier messages and replies) plus a new user message. A turn's time to
 first token is a one-token generation of that prompt (the prefill and the first sample); the reply itself is
-generated after it, `--reply` tokens with EOS ignored, and becomes the next turn's history. Per run the cache
+generated after it, `--reply` tokens with EOS ignored, and becomes the next turn's history; the clock starts once
+the engine is idle (the reply's last round, dispatched before its end was known, read). Per run the cache
 starts empty; the first run of each engine only compiles, then runs alternate between the engines (cache off,
 and cache on at each `--chunks` prefill chunk, the prefix cache's resume grid). Every reply's
 token_sha256 with the cache on is compared with the cache off (resumed == fresh). `--random-weights BITS` follows bench_generate.py (random MLX
@@ -40,7 +41,9 @@ MESSAGES = [
 
 
 def ttft(llm, prompt_ids: list[int]):
-    """Seconds to the first token of a prompt, and its result (cached tokens)."""
+    """Seconds to the first token of a prompt on an idle engine, and its result (cached tokens)."""
+    while llm.engine.busy:  # the last reply's round still in flight (~120 ms on the CPU): a chat's next message
+        llm.engine.step()  # comes after it ended
     t = time.perf_counter()
     out = llm.generate(prompt_ids, max_tokens=1, ignore_eos=True)
     return time.perf_counter() - t, out

@@ -12,7 +12,7 @@ from tests.test_lanes import SAMPLED
 from tfjax import geometry, models
 from tfjax.config import ModelConfig
 from tfjax.engine import Engine, Request
-from tfjax.engine.prefix_cache import PrefixCache, budget, chain_keys
+from tfjax.engine.prefix_cache import PrefixCache, budget, cached_end, chain_keys, prefill_calls, resume_limit
 from tfjax.lanes.config import LaneConfig
 from tfjax.lanes.drafter import RoundFacts
 
@@ -57,17 +57,19 @@ def _conversations(seed: int, head: int = 17) -> list[dict]:
     return out
 
 
-def _turn2(engine, convs) -> list[list[int]]:
-    """Turn 1 on `engine`, then turn 2 prompts: turn 1's prompt + reply + a new message."""
+def _turn2(engine, convs, message: int = 9) -> list[list[int]]:
+    """Turn 1 on `engine`, then turn 2 prompts: turn 1's prompt + reply (10 tokens) + a new message."""
     first = engine.run([Request(c["prompt"], max_tokens=10, **c["params"]) for c in convs])
-    return [c["prompt"] + r.token_ids + _words(99 + i, 9) for i, (c, r) in enumerate(zip(convs, first, strict=True))]
+    return [c["prompt"] + r.token_ids + _words(99 + i, message)
+            for i, (c, r) in enumerate(zip(convs, first, strict=True))]
 
 
-def _resumed_equals_fresh(target, drafter=None, copies=True, seed=0, gb=GB, lanes=LANES, chunk=CHUNK, head=17):
+def _resumed_equals_fresh(target, drafter=None, copies=True, seed=0, gb=GB, lanes=LANES, chunk=CHUNK, head=17,
+                          message=9):
     """Turn 2 resumed after turn 1's full chunks (turn 1: `head` + 20 tokens) equals it on a cold engine."""
     convs = _conversations(seed, head)
     warm = _engine(target, drafter, copies, gb, lanes, chunk)
-    prompts = _turn2(warm, convs)
+    prompts = _turn2(warm, convs, message)
     resumed = warm.run([Request(p, max_tokens=12, **c["params"]) for p, c in zip(prompts, convs, strict=True)])
     fresh = _engine(target, drafter, copies, gb, lanes, chunk).run([Request(p, max_tokens=12, **c["params"])
                                                                     for p, c in zip(prompts, convs, strict=True)])
@@ -95,10 +97,13 @@ def test_turn_two_resumed_from_the_cache_equals_a_cold_engine(built, name, copie
 def test_turn_two_resumed_on_the_platforms_default_grid_equals_a_cold_engine(built, name):
     """The engine's own prefill chunk (64 on the CPU) and page size (16): turn 1 ends mid-chunk and mid-page (two
     chunks and 37 tokens), turn 2 resumes at its last full chunk (a hybrid's snapshot taken at the prompt's last
-    boundary, not a multiple of the snapshot interval), greedy and sampled."""
+    boundary, not a multiple of the snapshot interval) with more than a chunk after it (a full chunk, then a last
+    one ending mid-page), greedy and sampled."""
     chunk = Engine(_model(built, name), LANES, eos_ids=()).runner.chunk
     lanes = LaneConfig(capacity=2, width=4, context=4 * chunk, page_size=16)
-    _resumed_equals_fresh(_model(built, name), copies=False, lanes=lanes, chunk=None, head=2 * chunk + 17)
+    message = chunk - 37 - 10 + 23  # turn 2: 37 + 10 (reply) + message = a chunk and 23 tokens after the resume
+    _resumed_equals_fresh(_model(built, name), copies=False, lanes=lanes, chunk=None, head=2 * chunk + 17,
+                          message=message)
 
 
 @SLOW
@@ -184,6 +189,24 @@ def test_chain_keys_name_the_whole_prefix_not_just_the_page():
 
 def _prompt(n, seed=0):
     return _words(seed, n)
+
+
+@pytest.mark.parametrize("chunk", [4, 16, 64])
+def test_a_resumed_prompt_runs_the_fresh_prompts_calls_from_its_resume_point(chunk):
+    """The rule both the runner (its calls) and the cache (what it keeps, where it resumes) follow: from any grid
+    point a later prompt may resume at, the calls are the cold prompt's own from there; what is cached lies in full
+    chunks only; a prompt's own resume point leaves its last call to run."""
+    for length in range(1, 5 * chunk + 2):
+        fresh = prefill_calls(length, chunk)
+        assert sum(n for _, n in fresh) == length and all(0 < n <= chunk for _, n in fresh)
+        end = cached_end(length, chunk)
+        assert all(n == chunk for s, n in fresh if s < end), "a cached position came from a partial call"
+        limit = resume_limit(length, chunk)
+        assert limit < length and limit >= length - chunk and limit % chunk == 0
+        for resume in range(0, limit + 1, chunk):
+            assert prefill_calls(length, chunk, resume) == [c for c in fresh if c[0] >= resume]
+    with pytest.raises(ValueError, match="multiple of the chunk"):
+        prefill_calls(10, 4, 2)
 
 
 def test_a_prefix_resumes_on_the_chunk_grid_and_only_from_committed_pages():

@@ -33,6 +33,27 @@ def chain_keys(tokens: list[int], page_size: int, pages: int) -> list[bytes]:
     return keys
 
 
+def prefill_calls(length: int, chunk: int, resume: int = 0) -> list[tuple[int, int]]:
+    """A prompt's prefill calls from `resume` (a grid point), as (start, tokens): the chunks [kC, (k+1)C) of the
+    absolute grid, the last one cut at the prompt's end. They follow from the length alone, so a resumed prompt runs
+    exactly the calls of a fresh one from its resume point (the runner pads each by its start and size alone)."""
+    if resume % chunk or not 0 <= resume < length:
+        raise ValueError(f"resume={resume} must be a multiple of the chunk {chunk} below the prompt's {length} tokens")
+    return [(s, min(chunk, length - s)) for s in range(resume, length, chunk)]
+
+
+def cached_end(length: int, chunk: int) -> int:
+    """The end of a prompt's last full-chunk call: its pages and state before this are what later prompts resume
+    from (a partial last call is padded to another shape, so its rows are never cached)."""
+    return length // chunk * chunk
+
+
+def resume_limit(length: int, chunk: int) -> int:
+    """The deepest point a prompt resumes at: a grid point with at least one of its tokens after it (the first
+    token's logits come from its last call)."""
+    return (length - 1) // chunk * chunk
+
+
 SNAPSHOT_EVERY = 256  # tokens between a hybrid prefix's snapshots (besides each prompt's last boundary)
 
 
@@ -107,7 +128,7 @@ class PrefixCache:
         """The cached pages a prompt can resume after, the resume position and the snapshot slot to restore."""
         if not self.enabled:
             return [], 0, None
-        limit = (len(prompt) - 1) // self.chunk * self.chunk  # at least one prompt token is prefilled
+        limit = resume_limit(len(prompt), self.chunk)
         pages = []
         for key in chain_keys(prompt, self.page_size, limit // self.page_size):
             page = self.page_of.get(key)
@@ -139,7 +160,7 @@ class PrefixCache:
         plan = Plan(pages, resume, slot)
         if self.hybrid and self.enabled:
             keys = chain_keys(prompt, self.page_size, len(prompt) // self.page_size)
-            last = len(prompt) // self.chunk * self.chunk
+            last = cached_end(len(prompt), self.chunk)
             for end in range(resume + self.chunk, last + 1, self.chunk):
                 if end % self.snapshot_every and end != last:
                     continue
@@ -153,7 +174,7 @@ class PrefixCache:
         """After a successful prefill: cache the pages it wrote in full chunks and attach the snapshots it saved."""
         if not self.enabled:
             return
-        full = len(prompt) // self.chunk * self.chunk
+        full = cached_end(len(prompt), self.chunk)
         keys = chain_keys(prompt, self.page_size, full // self.page_size)
         for i in range(plan.resume // self.page_size, len(keys)):
             if keys[i] not in self.page_of:

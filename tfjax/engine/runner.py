@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tfjax import grammar, models, sampling
+from tfjax.engine import prefix_cache
 from tfjax.lanes import blocks, snapshots
 from tfjax.lanes import round as lane_round_mod
 from tfjax.lanes.config import LaneConfig
@@ -81,18 +82,18 @@ class Runner:
         self.spec = lane_round_mod.RoundSpec(self.lanes, facts)
 
     def _chunks(self, prompt: np.ndarray, resume: int):
-        """The prompt's chunks on the absolute grid from `resume` (a grid point): (tokens [1, C], start, valid,
-        pages). C is the chunk, or for the last one a power of two from 16 up holding its tokens; `pages` a
-        power of two of pages holding the keys up to its end. Both follow from the chunk's start and length
-        only, so a resumed prompt runs exactly the chunks a fresh one runs."""
-        for s in range(resume, len(prompt), self.chunk):
-            piece = prompt[s : s + self.chunk]
-            size = min(self.chunk, max(16, 1 << (len(piece) - 1).bit_length()))
+        """The prompt's calls from `resume` (`prefix_cache.prefill_calls`): (tokens [1, C], start, valid, pages).
+        C is the chunk, or for a partial last one a power of two from 16 up holding its tokens; `pages` a power of
+        two of pages holding the keys up to its end. Both follow from the call's start and length only, so a
+        resumed prompt runs exactly the calls a fresh one runs."""
+        for s, n in prefix_cache.prefill_calls(len(prompt), self.chunk, resume):
+            piece = prompt[s : s + n]
+            size = min(self.chunk, max(16, 1 << (n - 1).bit_length()))
             tokens = np.zeros((1, size), np.int32)
             tokens[0, : len(piece)] = piece
             need = -(-(s + size) // self.lanes.page_size)
             pages = min(self.lanes.pages_per_lane, 1 << (need - 1).bit_length())
-            yield jnp.asarray(tokens), s, len(piece), pages
+            yield jnp.asarray(tokens), s, n, pages
 
     def _snapshot(self, which: int, cache, lane: int, end: int, saves: dict[int, int]) -> None:
         if end in saves and self.pools[which] is not None:

@@ -307,19 +307,20 @@ def mosaic_attention_serves(head_dim: int, page: int, q_dtype, kv_dtype) -> bool
 
 
 def paged_attention(q: jax.Array, pages: KVPages, page_table: jax.Array, positions: jax.Array,
-                    rows: bool = False) -> jax.Array:
+                    rows: bool = False, valid: jax.Array | None = None) -> jax.Array:
     """Attention of q rows over a lane's pages.
 
     With kernels, a prompt chunk gathers the lane's keys and takes the causal flash kernel (6-10x the paged kernel
     on the H200); lane-round rows (decode, verify) take the row-invariant Mosaic GPU paged kernel, or the Triton one
     for dtypes and page sizes it lacks (f32, tests); head dims no kernel takes fall back to the reference. Under a
-    mesh the kernel runs on each device's own heads (`_kernel_per_shard`).
+    mesh the kernel runs on each device's own heads (`_kernel_per_shard`). `valid` [B]: each lane's real rows (the
+    first ones); the CPU's lane-round rows skip the others (zeros), the kernels compute them and nobody reads them.
     """
     if _gpu() and (kernel := _attention_kernel(q, pages, page_table, rows)) is not None:
         return _kernel_per_shard(kernel, q, pages, page_table, positions)
     if rows and not _gpu():  # the CPU: each row reads only the key tiles up to its position
         if active_mesh() is None:
-            return pk.paged_rows_reference(q, pages, page_table, positions)
+            return pk.paged_rows_reference(q, pages, page_table, positions, valid=valid)
         return _paged_rows_per_head(q, pages, page_table, positions)
     k, v = gather_pages(pages, page_table)
     if active_mesh() is not None:  # one q head (with its kv head) at a time: the same arithmetic at every degree

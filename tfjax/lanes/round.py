@@ -221,8 +221,8 @@ def _round(target_def, target_params, drafter_def, drafter_params, state: LaneSt
     if blocks:
         drafter = models.merge(drafter_def, drafter_params)
         mode = dataclasses.replace(ROWS, taps=drafter.config.target_layer_ids)
-    logits, cache, traces, *taps = _forward(target_def, target_params, rows, start, jnp.full_like(start, width),
-                                            state.cache, mode)
+    real = jnp.where(state.active, count + 1, 0)  # rows past a lane's proposals are padding: never read
+    logits, cache, traces, *taps = _forward(target_def, target_params, rows, start, real, state.cache, mode)
     positions = length[:, None] + jnp.arange(width)[None, :]
     chosen, row_gstates, logprobs = _choose(logits, rows, positions, state, spec, full)  # [L, W]
     processed = spec.processors and state.proc is not None

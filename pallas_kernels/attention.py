@@ -302,7 +302,8 @@ REFERENCE_TILE_PAGES = 4  # pages of keys per step of `paged_rows_reference` (64
 
 
 def paged_rows_reference(q: jax.Array, pages: KVPages, page_table: jax.Array, positions: jax.Array, *,
-                         tile_pages: int = REFERENCE_TILE_PAGES, kv_head: jax.Array | None = None) -> jax.Array:
+                         tile_pages: int = REFERENCE_TILE_PAGES, kv_head: jax.Array | None = None,
+                         valid: jax.Array | None = None) -> jax.Array:
     """Lane-round rows' causal attention on the CPU, reading only the key tiles each row can see.
 
     q [B, T, H, E] at `positions` [B, T] over the lane's pages. Each row runs on its own (fenced loops over
@@ -313,6 +314,8 @@ def paged_rows_reference(q: jax.Array, pages: KVPages, page_table: jax.Array, po
 
     `kv_head` (a scalar, possibly traced): every q head attends that one KV head of the pages (a tensor-parallel
     device's loop over its own q heads, one a step: `ops.paged_attention`); the tiles gather only its keys.
+    `valid` [B]: each lane's rows to compute (its first ones); the rest come out zeros at no cost (a lane round's rows
+    past its proposals).
     """
     b, t, h, e = q.shape
     n_pages, page, g, _ = pages.k.shape
@@ -349,8 +352,9 @@ def paged_rows_reference(q: jax.Array, pages: KVPages, page_table: jax.Array, po
         _, l, acc = jax.lax.fori_loop(0, count, step, init)
         return (acc / l[..., None]).reshape(h, e).astype(q.dtype)
 
-    def lane(xs):  # q [T, H, E], positions [T], table [n]
-        qb, pb, tb = xs
-        return fenced.fenced_map(lambda x: row(x[0], x[1], tb), (qb, pb), gpu=False)
+    def lane(xs):  # q [T, H, E], positions [T], table [n], rows scalar
+        qb, pb, tb, nb = xs
+        return fenced.fenced_map(lambda x: row(x[0], x[1], tb), (qb, pb), gpu=False, count=nb)
 
-    return fenced.fenced_map(lane, (q, positions, table), gpu=False)
+    rows = jnp.full((b,), t, jnp.int32) if valid is None else valid.astype(jnp.int32)
+    return fenced.fenced_map(lane, (q, positions, table, rows), gpu=False)

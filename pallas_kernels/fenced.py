@@ -21,9 +21,14 @@ def opaque_count(n: jax.Array | int, *, gpu: bool) -> jax.Array:
     return n if gpu else jax.lax.optimization_barrier(n)
 
 
-def fenced_map(fn, xs, *, gpu: bool):
-    """`lax.map` whose single iteration XLA never inlines: one iteration stays a loop body of its own."""
+def fenced_map(fn, xs, *, gpu: bool, count: jax.Array | None = None):
+    """`lax.map` whose single iteration XLA never inlines: one iteration stays a loop body of its own.
+
+    `count` (CPU only): map the first `count` entries only, the others' outputs zeros (the same loop body, fewer
+    trips: an entry's result never depends on `count`)."""
     n = jax.tree.leaves(xs)[0].shape[0]
+    if gpu and count is not None:
+        raise ValueError("fenced_map's count is for the CPU loop (gpu=False)")
     if gpu:  # a known trip count, never 1, so XLA keeps the body a loop of its own
         if n >= 2:
             return jax.lax.map(fn, xs)
@@ -31,7 +36,7 @@ def fenced_map(fn, xs, *, gpu: bool):
         return jax.tree.map(lambda a: a[:n], jax.lax.map(fn, twice))
     first = jax.eval_shape(fn, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), xs))
     out = jax.tree.map(lambda s: jnp.zeros((n, *s.shape), s.dtype), first)
-    trips = opaque_count(n, gpu=False)
+    trips = opaque_count(n if count is None else jnp.clip(count, 0, n), gpu=False)
 
     def body(i, out):
         y = fn(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), xs))

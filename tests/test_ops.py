@@ -143,3 +143,15 @@ def test_a_prompt_products_dequantization_waits_for_its_input(layout):
     readers = [e for e in jaxpr.jaxpr.eqns if w_var in e.invars]
     assert [e.primitive.name for e in readers] == ["optimization_barrier"]
     assert x_var in readers[0].invars
+
+
+def test_a_cpu_product_of_few_rows_takes_a_row_tile_and_never_widens_the_weight():
+    """XLA CPU widens a 16-bit weight to f32 for a dot of one row (a prompt's last-row logits): the reference takes
+    one padded row tile instead, the lane rounds' own product."""
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((384, 64)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((1, 64)), jnp.bfloat16)
+    with ops.using(ops.REFERENCE):
+        few = jax.jit(lambda a, b: ops.matmul(a, b))
+        np.testing.assert_array_equal(few(x, w), jax.jit(lambda a, b: ops.matmul(a, b, rows=True))(x, w))
+        assert "f32[384,64]" not in few.lower(x, w).compile().as_text()

@@ -69,6 +69,17 @@ def test_row_attention_reads_only_its_keys_and_never_depends_on_the_table_width_
     assert np.array_equal(np.asarray(alone)[0, 0], out[1, 2]) and np.array_equal(np.asarray(wide)[0, 0], out[1, 2])
 
 
+def test_row_attention_skips_the_rows_past_a_lanes_valid_ones_and_keeps_the_others_bits():
+    rng = np.random.default_rng(1)
+    pages = _pages(rng, 24)
+    table = jnp.asarray(rng.permutation(24)[:16].reshape(2, 8), jnp.int32)
+    q = jnp.asarray(rng.standard_normal((2, 5, 6, 32)), jnp.float32)
+    pos = jnp.asarray([[20, 21, 22, 23, 24], [70, 71, 72, 73, 74]], jnp.int32)
+    full = np.asarray(pk.paged_rows_reference(q, pages, table, pos))
+    part = np.asarray(pk.paged_rows_reference(q, pages, table, pos, valid=jnp.asarray([2, 0], jnp.int32)))
+    assert np.array_equal(part[0, :2], full[0, :2]) and not part[0, 2:].any() and not part[1].any()
+
+
 def test_a_resumed_prompt_runs_the_bucketed_chunks_a_fresh_one_runs(target):
     """70 tokens on a grid of 32: chunks of 32, 32 and a last one of 6 padded to 16 rows; a second turn resumes
     at 64 and runs that last chunk as the fresh prefill did, so the tokens after it are the same."""

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tfjax.sampling import SamplingParams, default_seed, gumbel_noise, sample, token_sha256
+from tfjax.sampling import SamplingParams, default_seed, greedy, gumbel_noise, sample, token_sha256
 
 sample_jit = jax.jit(sample)
 
@@ -37,6 +37,16 @@ def test_greedy_equals_argmax():
     params = SamplingParams.create(3, temperature=0.0, top_k=[0, 3, 1], top_p=[1.0, 0.5, 0.9], seed=[1, 2, 3])
     tokens = sample_jit(logits, positions, params)
     np.testing.assert_array_equal(tokens, np.argmax(np.asarray(logits), axis=-1))
+
+
+def test_greedy_is_argmax_with_its_ties_and_nans():
+    rng = np.random.default_rng(2)
+    logits = np.round(rng.normal(size=(3, 4, 64)).astype(np.float32), 1)  # rounded: many ties
+    logits[1, 2, [5, 9]] = np.nan  # argmax takes the first NaN
+    logits[2, 0] = -np.inf
+    got = jax.jit(greedy)(jnp.asarray(logits))
+    np.testing.assert_array_equal(got, jnp.argmax(jnp.asarray(logits), axis=-1))
+    assert got.dtype == jnp.int32 and int(got[1, 2]) == 5
 
 
 def test_greedy_lanes_beside_sampled_lanes_stay_argmax():

@@ -307,19 +307,20 @@ def mosaic_attention_serves(head_dim: int, page: int, q_dtype, kv_dtype) -> bool
 
 
 def paged_attention(q: jax.Array, pages: KVPages, page_table: jax.Array, positions: jax.Array,
-                    rows: bool = False) -> jax.Array:
+                    rows: bool = False, valid: jax.Array | None = None) -> jax.Array:
     """Attention of q rows over a lane's pages.
 
     With kernels, a prompt chunk gathers the lane's keys and takes the causal flash kernel (6-10x the paged kernel
     on the H200); lane-round rows (decode, verify) take the row-invariant Mosaic GPU paged kernel, or the Triton one
     for dtypes and page sizes it lacks (f32, tests); head dims no kernel takes fall back to the reference. Under a
-    mesh the kernel runs on each device's own heads (`_kernel_per_shard`).
+    mesh the kernel runs on each device's own heads (`_kernel_per_shard`). `valid` [B]: each lane's real rows (the
+    first ones); the CPU's lane-round rows skip the others (zeros), the kernels compute them and nobody reads them.
     """
     if _gpu() and (kernel := _attention_kernel(q, pages, page_table, rows)) is not None:
         return _kernel_per_shard(kernel, q, pages, page_table, positions)
     if rows and not _gpu():  # the CPU: each row reads only the key tiles up to its position
         if active_mesh() is None:
-            return pk.paged_rows_reference(q, pages, page_table, positions)
+            return pk.paged_rows_reference(q, pages, page_table, positions, valid=valid)
         return _paged_rows_per_head(q, pages, page_table, positions)
     k, v = gather_pages(pages, page_table)
     if active_mesh() is not None:  # one q head (with its kv head) at a time: the same arithmetic at every degree
@@ -434,11 +435,10 @@ def matmul(x: jax.Array, w: jax.Array, *, rows: bool = False, out_dtype=None) ->
         if _gpu() and mm.supports(*w.shape):
             return mm.matmul(x, w).astype(out_dtype or x.dtype)
         return row_tiled(lambda t: _dot_t(t, w, out_dtype), x)
-    if not _gpu() and math.prod(x.shape[:-1]) == 1:  # a prompt's last-row logits (`Mode.last_only`)
-        # XLA:CPU runs a one-row dot as a loop, a two-row one as a GEMM: SmolLM2's 49152x576 head 132 vs 17 ms
-        # (scripts/probes/one_row_dot.py), most of a CPU prompt chunk's fixed cost
-        two = jnp.broadcast_to(x.reshape(1, x.shape[-1]), (2, x.shape[-1]))
-        return _dot_t(two, w, out_dtype)[:1].reshape(*x.shape[:-1], w.shape[0])
+    if not _gpu() and math.prod(x.shape[:-1]) < fenced.ROW_TILE:
+        # XLA CPU has no 16-bit product of so few rows: it widens the whole weight to f32 each call (a prompt's
+        # last-row logits: 110 ms of SmolLM2's 49k x 576 table); one padded row tile takes the rows' product
+        return row_tiled(lambda t: _dot_t(t, w, out_dtype), x)
     return _dot_t(x, w, out_dtype)
 
 

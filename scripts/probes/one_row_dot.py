@@ -3,7 +3,7 @@
   PYTHONPATH=. python3 scripts/probes/one_row_dot.py [--vocab 49152 --hidden 576]
 
 A one-row dot lowers to a loop and a two-row one to a GEMM: on the CPU the one-row SmolLM2 head took 132 ms against
-17 ms for two rows (load 9.5), most of a prompt chunk's fixed cost, so `ops.matmul` gives the CPU two rows.
+17 ms for two rows (load 9.5), most of a prompt chunk's fixed cost, so `ops.matmul` gives the CPU a padded row tile.
 """
 
 from __future__ import annotations

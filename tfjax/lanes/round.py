@@ -168,7 +168,17 @@ def _choose(logits: jax.Array, rows: jax.Array, positions: jax.Array, state: Lan
             full: tuple[LaneState, jax.Array] | None):
     """Each row's token, its grammar state and logprobs. With `full` (the whole state, the bucket's lane ids) the
     rows are spread back over every lane first: sampling and logprobs reduce over the vocabulary, and XLA's
-    arithmetic there may follow the array's shape, so they always see [capacity, W, V]."""
+    arithmetic there may follow the array's shape, so they always see [capacity, W, V]; but a greedy token (the first
+    best id) is the same at any shape, so a bucket of greedy lanes without processors skips the spread."""
+    if full is not None and not spec.processors:
+        chosen = jax.lax.cond(jnp.all(state.sampling.temperature == 0), lambda: sampling.greedy(logits),
+                              lambda: _spread_choose(logits, rows, positions, state, spec, full)[0])
+        return chosen, None, None
+    return _spread_choose(logits, rows, positions, state, spec, full)
+
+
+def _spread_choose(logits: jax.Array, rows: jax.Array, positions: jax.Array, state: LaneState, spec: RoundSpec,
+                   full: tuple[LaneState, jax.Array] | None):
     if full is not None:
         state, order = full
         n = state.length.shape[0]
@@ -221,8 +231,8 @@ def _round(target_def, target_params, drafter_def, drafter_params, state: LaneSt
     if blocks:
         drafter = models.merge(drafter_def, drafter_params)
         mode = dataclasses.replace(ROWS, taps=drafter.config.target_layer_ids)
-    logits, cache, traces, *taps = _forward(target_def, target_params, rows, start, jnp.full_like(start, width),
-                                            state.cache, mode)
+    real = jnp.where(state.active, count + 1, 0)  # rows past a lane's proposals are padding: never read
+    logits, cache, traces, *taps = _forward(target_def, target_params, rows, start, real, state.cache, mode)
     positions = length[:, None] + jnp.arange(width)[None, :]
     chosen, row_gstates, logprobs = _choose(logits, rows, positions, state, spec, full)  # [L, W]
     processed = spec.processors and state.proc is not None

@@ -321,7 +321,7 @@ class Attention(nnx.Module):
         k = rotary(k, positions, self.rotary_dim, self.theta)
         live = jnp.arange(t)[None, :] < valid[:, None]  # padded prompt rows must not overwrite real keys
         pages = write_pages(pages, k, v, page_table, jnp.where(live, positions, jnp.iinfo(jnp.int32).max // 2))
-        o = ops.paged_attention(q, pages, page_table, positions, mode.rows).reshape(b, t, -1)  # [B, T, H*E]
+        o = ops.paged_attention(q, pages, page_table, positions, mode.rows, valid).reshape(b, t, -1)  # [B, T, H*E]
         if self.gated:
             o = o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(o.dtype)
         return (self.o_proj(o, mode.rows) if project else o), pages

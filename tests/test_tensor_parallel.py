@@ -22,14 +22,40 @@ LLAMA = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_si
              dtype="float32")
 
 
-def _worker(case: str, *args: str) -> dict:
+def _env(devices: int = 8) -> dict:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
     if os.environ.get("TFJAX_TP_TEST_DEVICES") != "real":  # scripts/device/gpu_tp.sh runs them on the GPUs
-        env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    run = subprocess.run([sys.executable, __file__, case, *args], env=env, cwd=ROOT, capture_output=True, text=True,
+        env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    return env
+
+
+def _worker(case: str, *args: str) -> dict:
+    run = subprocess.run([sys.executable, __file__, case, *args], env=_env(), cwd=ROOT, capture_output=True, text=True,
                          timeout=3600)
     assert run.returncode == 0, run.stderr[-4000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return _last_json(run.stdout)
+
+
+def _last_json(stdout: str) -> dict:
+    """The worker's JSON line (gloo, JAX's CPU collectives, prints to stdout too, as late as its shutdown)."""
+    return json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
+
+
+def _cluster(processes: int, devices: int, case: str, *args: str) -> list[dict]:
+    """Each process's JSON line from `processes` workers on this host, `devices` CPU devices each, joined by
+    jax.distributed at a free local port (over gloo, JAX's CPU collectives)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = str(s.getsockname()[1])
+    procs = [subprocess.Popen([sys.executable, __file__, case, port, str(processes), str(i), *args], env=_env(devices),
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(processes)]
+    outs = [p.communicate(timeout=3600) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-4000:]
+    return [_last_json(o) for o, _ in outs]
 
 
 # --- the worker side (8 simulated devices) ---
@@ -170,6 +196,102 @@ def case_tokens(name: str, meshes: str = "1x1,2x1,4x1,2x2") -> dict:
         rs = engine.run([Request(p, max_tokens=10) for p in turn2])  # resumed from the prefix cache
         out[f"{mesh}/resumed/drafted"] = [r.token_sha256 for r in rs]
         out[f"{mesh}/cached"] = [r.cached_tokens for r in rs]
+    return out
+
+
+def _drafter(kind: str, name: str, mesh):
+    """A random drafter, whole on every device of `mesh` (as `tfjax.load` places one): a draft model (the target's
+    shape, other weights) or a DFlash2 block drafter tapping both target layers."""
+    from tests.test_dflash2 import drafter_config
+    from tfjax import models, sharding
+    from tfjax.drafters import dflash2
+
+    config = _config(name)
+    if kind == "model":
+        d = models.build(config, seed=9)
+    else:
+        raw = drafter_config(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                             num_target_layers=config.num_hidden_layers)
+        raw["dflash_config"].update(block_size=4, target_layer_ids=[0, 1])
+        d = dflash2.build(dflash2.DFlashConfig.from_dict(raw), seed=12).bind(config)
+    return sharding.replicate(d, mesh)
+
+
+def case_drafters(name: str, meshes: str = "1x1,2x1,4x1,2x2") -> dict:
+    """token_sha256 per (mesh, drafter, mode): a draft model and a DFlash2 block drafter beside the sharded target,
+    greedy and sampled (and the same requests plain at 1 x 1); how many tokens the drafters proposed."""
+    import numpy as np
+
+    from tfjax.engine import Engine, Request
+    from tfjax.lanes.config import LaneConfig
+
+    lanes = LaneConfig(capacity=2, width=4, context=96, page_size=16)
+    rng = np.random.default_rng(8)
+    span = rng.integers(0, 250, 6).tolist()
+    prompts = [rng.integers(0, 250, 10).tolist() + span + span, rng.integers(0, 250, 14).tolist()]
+    modes = {"greedy": {}, "sampled": dict(temperature=1.0, top_k=20, top_p=0.95, seed=7)}
+    out = {}
+    for mesh in meshes.split(","):
+        tp, dp = map(int, mesh.split("x"))
+        target = _model(name, tp, dp)
+        for kind in ("model", "dflash2"):
+            engine = Engine(target, lanes, drafter=_drafter(kind, name, target.mesh), eos_ids=())
+            for mode, kw in modes.items():
+                for draft in (True, False) if mesh == "1x1" else (True,):  # plain at every mesh: case_tokens
+                    rs = engine.run([Request(p, max_tokens=10, draft=draft, **kw) for p in prompts])
+                    out[f"{mesh}/{kind}/{mode}/{'drafted' if draft else 'plain'}"] = [r.token_sha256 for r in rs]
+                    if draft:
+                        out[f"{mesh}/{kind}/{mode}/proposed"] = sum(r.proposed for r in rs)
+    return out
+
+
+def case_join(port: str, processes: str, process_id: str) -> dict:
+    """Join a run at the CLI's entry point, then fetch a lanes array split over a `data` axis spanning every process."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from tfjax import sharding
+
+    sharding.initialize_distributed(f"localhost:{port}", int(processes), int(process_id))
+    mesh = sharding.make_mesh(2, len(jax.devices()) // 2)
+    lanes = np.arange(4 * 3, dtype=np.int32).reshape(4, 3)
+    split = jax.jit(lambda a: a + 1, out_shardings=NamedSharding(mesh, P(sharding.DATA)))(jnp.asarray(lanes))
+    return dict(processes=jax.process_count(), devices=len(jax.devices()), same=bool(np.array_equal(
+        sharding.fetch(split), lanes + 1)), whole=split.is_fully_addressable)
+
+
+def case_cluster(port: str, processes: str, process_id: str, mesh: str) -> dict:
+    """token_sha256 of greedy, sampled and processed (logprobs) requests, drafted and plain, from one process of a
+    `processes`-process run on this host (0: no jax.distributed at all); the mesh spans every process's devices."""
+    import jax
+    import numpy as np
+
+    from tfjax import sharding
+    from tfjax.engine import Engine, Request
+    from tfjax.lanes.config import LaneConfig
+
+    if int(processes):
+        sharding.initialize_distributed(f"localhost:{port}", int(processes), int(process_id))
+    tp, dp = map(int, mesh.split("x"))
+    lanes = LaneConfig(capacity=2, width=4, context=96, page_size=16)
+    rng = np.random.default_rng(3)
+    span = rng.integers(0, 250, 6).tolist()
+    prompts = [rng.integers(0, 250, 10).tolist() + span + span, rng.integers(0, 250, 14).tolist()]
+    sampled = dict(temperature=1.0, top_k=20, top_p=0.95, seed=7)
+    modes = {"greedy": {}, "sampled": sampled, "processors": dict(sampled, presence_penalty=0.5, logprobs=True,
+                                                                  top_logprobs=2)}
+    engine = Engine(_model("tiny_dense", tp, dp), lanes, eos_ids=())
+    out = dict(processes=jax.process_count(), devices=len(jax.devices()), local=len(jax.local_devices()))
+    for mode, kw in modes.items():
+        for draft in (True, False):
+            rs = engine.run([Request(p, max_tokens=8, draft=draft, **kw) for p in prompts])
+            out[f"{mode}/{'drafted' if draft else 'plain'}"] = [r.token_sha256 for r in rs]
+            if mode == "processors":
+                out[f"logprobs/{'drafted' if draft else 'plain'}"] = hashlib.sha256(
+                    np.asarray([r.logprobs for r in rs], np.float32).tobytes()).hexdigest()
     return out
 
 
@@ -326,6 +448,48 @@ def test_multi_host_entry_asks_for_both_process_count_and_id():
 
     with pytest.raises(sharding.MeshError, match="both num_processes and process_id"):
         sharding.initialize_distributed("localhost:1234", num_processes=2)
+    with pytest.raises(sharding.MeshError, match=r"process_id=2 is not in 0..1"):
+        sharding.initialize_distributed("localhost:1234", num_processes=2, process_id=2)
+
+
+def test_multi_host_entry_hands_jax_the_coordinator_count_and_id(monkeypatch):
+    import jax
+
+    from tfjax import sharding
+
+    seen = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: seen.append(kw))
+    sharding.initialize_distributed("host0:1234", 4, 3)
+    sharding.initialize_distributed()  # JAX reads its environment or the cluster's
+    assert seen == [dict(coordinator_address="host0:1234", num_processes=4, process_id=3),
+                    dict(coordinator_address=None, num_processes=None, process_id=None)]
+
+
+def test_a_one_process_cluster_joins_and_fetches_lanes_split_over_data():
+    (out,) = _cluster(1, 8, "join")
+    assert out == dict(processes=1, devices=8, same=True, whole=True), out
+
+
+@pytest.mark.slow  # ~15 s
+def test_two_processes_see_every_devices_and_fetch_lanes_split_across_them():
+    outs = _cluster(2, 2, "join")
+    assert outs == [dict(processes=2, devices=4, same=True, whole=False)] * 2, outs
+
+
+@pytest.mark.slow  # minutes: four engine runs, two of them over two processes
+def test_a_run_over_two_processes_gives_the_one_device_tokens():
+    """Two processes on this host, 2 CPU devices each, joined by jax.distributed: lanes over `data` across the
+    processes (2 x 2) and the `model` axis across them (4 x 1) give the tokens and logprobs of one device, and so does
+    a one-process cluster."""
+    want = _worker("cluster", "0", "0", "0", "1x1")
+    runs = {"1 process 2x2": _cluster(1, 8, "cluster", "2x2"), "2 processes 2x2": _cluster(2, 2, "cluster", "2x2"),
+            "2 processes 4x1": _cluster(2, 2, "cluster", "4x1")}
+    for name, outs in runs.items():
+        for out in outs:
+            assert out["processes"] == len(outs), (name, out)
+            for key, value in want.items():
+                if "/" in key:
+                    assert out[key] == value, (name, key)
 
 
 @pytest.mark.slow
@@ -342,6 +506,17 @@ def test_checkpoints_load_straight_into_their_shards_dense_and_4bit(tmp_path):
 def test_logits_are_bit_identical_across_degree_on_moe_and_llama(name):
     hashes = _worker("logits", name)["hashes"]
     assert hashes["2"] == hashes["1"] and hashes["4"] == hashes["1"], hashes
+
+
+@pytest.mark.slow  # ~15 min on a loaded 2-core machine
+def test_drafted_equals_plain_at_every_degree_with_a_draft_model_and_dflash2():
+    out = _worker("drafters", "tiny_dense")
+    for kind in ("model", "dflash2"):
+        for mode in ("greedy", "sampled"):
+            want = out[f"1x1/{kind}/{mode}/plain"]
+            for mesh in ("1x1", "2x1", "4x1", "2x2"):
+                assert out[f"{mesh}/{kind}/{mode}/drafted"] == want, (mesh, kind, mode)
+                assert out[f"{mesh}/{kind}/{mode}/proposed"] > 0, (mesh, kind, mode)
 
 
 @pytest.mark.slow

@@ -262,4 +262,19 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
     (SLURM, ...). Then `make_mesh` sees every host's devices (docs/tensor_parallel.md)."""
     if (num_processes is None) != (process_id is None):
         raise MeshError("give both num_processes and process_id, or neither (JAX reads them from the environment)")
+    if num_processes is not None and not 0 <= process_id < num_processes:
+        raise MeshError(f"process_id={process_id} is not in 0..{num_processes - 1} (num_processes={num_processes})")
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+
+
+def fetch(tree):
+    """`jax.device_get`, except that an array split over other processes' devices (lanes over a `data` axis that
+    spans hosts) is first gathered from every process: every process makes the same calls in the same order."""
+    def get(a):
+        if isinstance(a, jax.Array) and not a.is_fully_addressable and not a.is_fully_replicated:
+            from jax.experimental import multihost_utils
+
+            return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+        return jax.device_get(a)
+
+    return jax.tree.map(get, tree)

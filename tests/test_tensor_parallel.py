@@ -116,7 +116,10 @@ def case_logits(name: str) -> dict:
 
 def case_lane_rows(name: str, meshes: str = "1x1,1x2,2x2,4x2") -> dict:
     """sha256 of one lane round's forward over 2 lanes (random DeltaNet state and KV pages): the logits, the new
-    DeltaNet state and the gates, per mesh (lanes split over `data` where dp > 1)."""
+    DeltaNet state and the gates, per mesh (lanes split over `data` where dp > 1); and the lane counts of the
+    compiled program's [lanes, rows, hidden] activations (a device's own lanes only where dp > 1)."""
+    import re
+
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -141,11 +144,13 @@ def case_lane_rows(name: str, meshes: str = "1x1,1x2,2x2,4x2") -> dict:
         cache = sharding.shard_cache(cache, m.mesh)
         by_lane = lambda a: jax.device_put(a, NamedSharding(m.mesh, P(sharding.DATA)))  # noqa: B023, E731
         graphdef, params = models.split(m)
-        logits, new, traces = models.forward(graphdef, params, by_lane(tokens), by_lane(start), by_lane(valid), cache,
-                                             ROWS)
+        args = (graphdef, params, by_lane(tokens), by_lane(start), by_lane(valid), cache, ROWS)
+        logits, new, traces = models.forward(*args)
         delta = [(lc.state, tr.g, tr.beta) for lc, tr in zip(new.layers, traces, strict=True) if tr is not None]
         out[mesh] = hashlib.sha256(b"".join(np.asarray(a).tobytes() for a in jax.tree.leaves((logits, delta))))\
             .hexdigest()
+        hlo = models.forward.lower(*args).compile().as_text()
+        out[f"{mesh}/lanes"] = sorted({int(n) for n in re.findall(rf"f32\[(\d+),{rows},{m.config.hidden_size}\]", hlo)})
     return out
 
 
@@ -347,11 +352,14 @@ def test_logits_are_bit_identical_at_tp_1_2_and_4(dense_logits):
     assert hashes["2"] == hashes["1"] and hashes["4"] == hashes["1"], hashes
 
 
-@pytest.mark.slow  # ~45 s; the slow token test pins the same meshes through whole requests
+@pytest.mark.slow  # ~90 s; the slow token test pins the same meshes through whole requests
 def test_lane_round_is_bit_identical_with_lanes_split_over_data():
     # dp > 1 once rounded DeltaNet's gates differently (XLA split the row tiles of the lanes over `data`)
-    hashes = _worker("lane_rows", "tiny_dense")
+    out = _worker("lane_rows", "tiny_dense")
+    hashes = {k: v for k, v in out.items() if "/" not in k}
     assert len(set(hashes.values())) == 1, hashes
+    for mesh in ("1x1", "1x2", "2x2", "4x2"):  # each device computes only its own lanes (2 lanes, dp of them)
+        assert out[f"{mesh}/lanes"] == [2 // int(mesh[-1])], (mesh, out[f"{mesh}/lanes"])
 
 
 @pytest.mark.parametrize("tp", ["2", "4"])
@@ -417,6 +425,164 @@ def test_attention_kernel_runs_on_each_devices_own_heads(monkeypatch, rows, head
             assert f"f32[2,3,{heads // tp},64]" in hlo, tp  # q and the output: a device's own heads
 
 
+@pytest.mark.slow  # interpret mode at TP=1, 2, 4
+def test_deltanet_kernel_runs_on_each_devices_own_heads(monkeypatch):
+    """The GPU path's fused DeltaNet recurrence (interpreted here) inside `shard_map`: each device passes it its own
+    value heads (and their key heads' q, k columns), no collective, and TP=1, 2, 4 equal the unsharded kernel bit for
+    bit, state and output, with a replay's `count`."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from pallas_kernels import gated_delta as gdk
+    from tests.helpers import spy_interpreted
+    from tfjax import ops, sharding
+
+    calls = spy_interpreted(monkeypatch, gdk, "recurrent_qkv", lambda a, kw: (a[0].shape[1], kw["key_heads"]))
+    rng = np.random.default_rng(13)
+    b, t, hk, hv, dk, dv = 2, 3, 4, 8, 16, 32
+    state = jnp.asarray(rng.standard_normal((b, hv, dk, dv)) * 0.1, jnp.float32)
+    qkv = jnp.asarray(rng.standard_normal((b, t, 2 * hk * dk + hv * dv)), jnp.float32)
+    g = jnp.asarray(-rng.uniform(0.01, 1.0, (b, t, hv)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0.0, 1.0, (b, t, hv)), jnp.float32)
+    count = jnp.asarray([3, 1], jnp.int32)
+
+    def run(state, qkv, g, beta, count, mesh=None):
+        with ops.using(ops.PALLAS), ops.using_mesh(mesh):
+            return ops.recurrent_qkv(state, qkv, g, beta, count)
+
+    want = jax.jit(run)(state, qkv, g, beta, count)
+    assert calls == [(hv, hk)]
+    for tp in (1, 2, 4):
+        mesh = sharding.make_mesh(tp)
+        put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: B023, E731
+        args = (put(state, P(None, "model")), put(qkv, P()), put(g, P()), put(beta, P()), put(count, P()))
+        calls.clear()
+        fn = jax.jit(lambda *a: run(*a, mesh=mesh))  # noqa: B023
+        got = fn(*args)
+        for x, y in zip(got, want, strict=True):
+            np.testing.assert_array_equal(x, y, err_msg=f"{tp=}")
+        assert calls == [(hv // tp, hk // tp)], (tp, calls)
+        if tp > 1:
+            hlo = fn.lower(*args).compile().as_text()
+            assert "all-gather" not in hlo and "all-reduce" not in hlo and "all-to-all" not in hlo, tp
+
+
+@pytest.mark.slow  # ~45 s: interpret mode at TP=1, 2, 4
+def test_moe_kernel_runs_on_each_devices_own_experts(monkeypatch):
+    """The GPU path's grouped MoE kernels (interpreted here) inside `shard_map` with the expert stacks split by expert:
+    each device's kernel call sees only its own experts, and TP=1, 2, 4 equal the unsharded kernel bit for bit. (The
+    experimental lane-round rows kernels, `Kernels.moe_rows`, take whole stacks under a mesh: per shard, their slot
+    outputs matched but the combined rows did not, by an ulp.)"""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from pallas_kernels import moe, quant
+    from tests.helpers import spy_interpreted
+    from tfjax import ops, sharding
+
+    calls = spy_interpreted(monkeypatch, moe, "moe", lambda a, kw: a[3][0].shape[0])
+    rng = np.random.default_rng(15)
+    n, k, e, d, i, bits, group = 3, 2, 8, 256, 256, 4, 64
+
+    def stack(out, inp):
+        w, sc, b = quant.quantize(jnp.asarray(rng.standard_normal((e, out, inp)) * 0.05, jnp.float32), bits, group)
+        return w, sc, b
+
+    gate, up, down = stack(i, d), stack(i, d), stack(d, i)
+    idx = jnp.asarray(np.stack([rng.choice(e, k, replace=False) for _ in range(n)]), jnp.int32)
+    weights = jnp.asarray(rng.random((n, k)) + 0.1, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
+    def run(x, idx, weights, gate, up, down, mesh=None):
+        with ops.using(ops.PALLAS), ops.using_mesh(mesh):
+            return ops.experts(x, idx, weights, gate, up, down, bits=bits, group_size=group, rows=True)
+
+    want = jax.jit(run)(x, idx, weights, gate, up, down)
+    assert calls == [e]
+    for tp in (1, 2, 4):
+        mesh = sharding.make_mesh(tp)
+        split = lambda t: tuple(jax.device_put(a, NamedSharding(mesh, P("model"))) for a in t)  # noqa: B023, E731
+        calls.clear()
+        got = jax.jit(lambda *a: run(*a, mesh=mesh))(x, idx, weights, split(gate), split(up), split(down))  # noqa: B023
+        np.testing.assert_array_equal(got, want, err_msg=f"{tp=}")
+        assert calls == [e // tp], (tp, calls)
+
+
+def test_norm_kernel_runs_on_each_devices_own_lanes():  # ~7 s (interpret mode)
+    """The GPU path's row norm kernel (interpreted here) under a mesh with lanes over `data`: each device normalises
+    only its own lanes' rows, bit for bit the unsharded kernel's (gated norm too)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from pallas_kernels import row_norm as rn
+    from tests.helpers import spy_interpreted
+    from tfjax import ops, sharding
+
+    rng = np.random.default_rng(14)
+    x, z = (jnp.asarray(rng.standard_normal((4, 3, 64)), jnp.float32) for _ in range(2))
+    weight = jnp.asarray(rng.standard_normal(64), jnp.float32)
+
+    def norm(x, z, mesh=None):
+        with ops.using(ops.PALLAS), ops.using_mesh(mesh), ops.lanes_over_data(True):
+            return ops.row_norm(x, weight, kind="rms", eps=1e-6, rows=True), ops.row_norm(
+                x, weight, z, kind="gated", eps=1e-6, rows=True)
+
+    with pytest.MonkeyPatch.context() as mp:
+        calls = spy_interpreted(mp, rn, "row_norm", lambda a, kw: a[0].shape[0])
+        want = jax.jit(norm)(x, z)
+        mesh = sharding.make_mesh(2, 2)
+        lanes = NamedSharding(mesh, P(sharding.DATA))
+        calls.clear()
+        got = jax.jit(lambda x, z: norm(x, z, mesh))(jax.device_put(x, lanes), jax.device_put(z, lanes))
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert calls == [12, 6, 12, 6], calls  # each norm: `whole` asks the output's shape (all 12 rows), then the
+    # kernel runs on a device's own 2 lanes x 3 rows
+
+
+@pytest.mark.slow  # ~15-25 s on the shared 2-core machine (two compiles of the sampler)
+def test_sampling_sees_every_lane_on_every_device_with_lanes_split_over_data():
+    """Under a `data` axis XLA's partitioner gave each device its share of the lanes to sample (top-p's sort, softmax
+    and cumulative sum over [L / dp, W, V]: shapes that follow dp); `ops.whole` samples [L, W, V] everywhere."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from tfjax import ops, sampling, sharding
+
+    rng = np.random.default_rng(0)
+    lanes, width, vocab = 4, 3, 512
+    logits = jnp.asarray(rng.standard_normal((lanes, width, vocab)) * 3, jnp.float32)
+    positions = jnp.asarray(rng.integers(0, 100, (lanes, width)), jnp.int32)
+    params = sampling.SamplingParams.create(lanes, temperature=[0.7, 1.0, 1.3, 1.0], top_k=[0, 20, 300, 0],
+                                            top_p=[0.5, 0.9, 0.99, 0.95], seed=[1, 2, 3, 4])
+    want = jax.jit(sampling.sample)(logits, positions, params)
+    mesh = sharding.make_mesh(1, 2)
+    put = lambda a: jax.device_put(a, NamedSharding(mesh, P(sharding.DATA)))  # noqa: E731
+
+    def sample(*args):
+        with ops.using_mesh(mesh):
+            return ops.whole(sampling.sample, *args)
+
+    args = (put(logits), put(positions), jax.tree.map(put, params))
+    fn = jax.jit(sample)
+    np.testing.assert_array_equal(fn(*args), want)
+    sorts = re.findall(r"= \((f32\[[0-9,]+\])[^=]*\) sort\(", fn.lower(*args).compile().as_text())
+    assert sorts == [f"f32[{lanes},{width},{vocab}]"], sorts  # top-p's full sort: every lane, on every device
+
+
 @pytest.mark.parametrize("make,says", [
     (lambda s, n: s.make_mesh(4, 4), lambda n: f"tp=4 x dp=4 asks for 16 devices but {n} "),
     (lambda s, n: s.make_mesh(3), lambda n: "tp=3 is not a divisor of 8"),
@@ -465,6 +631,7 @@ def test_multi_host_entry_hands_jax_the_coordinator_count_and_id(monkeypatch):
                     dict(coordinator_address=None, num_processes=None, process_id=None)]
 
 
+@pytest.mark.slow  # 7-18 s on the shared 2-core machine (a worker's jax start and distributed join)
 def test_a_one_process_cluster_joins_and_fetches_lanes_split_over_data():
     (out,) = _cluster(1, 8, "join")
     assert out == dict(processes=1, devices=8, same=True, whole=True), out

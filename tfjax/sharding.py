@@ -1,9 +1,10 @@
 """Tensor parallelism over a `jax.sharding.Mesh` (`model` axis) with lanes over a `data` axis, exact across degree.
 
-Logical axes: parameters, KV pages, DeltaNet state and lane state carry logical names (`vocab`, `embed`, `heads`,
-`kv_heads`, `mlp`, `experts`, `lanes`) that `RULES` maps to mesh axes. Column-parallel projections (q/k/v,
-gate/up, DeltaNet's in-projections, the vocab of the embedding and lm_head) split their output; XLA's partitioner
-runs them per shard. Row-parallel ones (o_proj, down_proj, out_proj) are `Linear.parts` fixed K chunks
+Placement: parameters by module name (`param_spec`: the logical axis each splits, `vocab`/`heads`/`kv_heads`/`mlp`
+/`experts` -> `model`, `embed` whole), KV pages by KV head, DeltaNet state by value head and `lanes` -> `data`
+(`cache_specs`), lane state by `lanes` (`shard_lane_state`); there is no separate table of logical names.
+Column-parallel projections (q/k/v, gate/up, DeltaNet's in-projections, the vocab of the embedding and lm_head)
+split their output in fixed blocks, each device computing its own inside `shard_map` (`ops.column_parallel`). Row-parallel ones (o_proj, down_proj, out_proj) are `Linear.parts` fixed K chunks
 (`ops.row_parallel`): each device computes its chunks, one all-gather brings them back, and the residual add sums
 them in chunk order; the count is fixed by the weight's shape (`parts_for`), so TP=1, 2, 4 and 8 compute the same
 partials in the same order and agree bit for bit. Logits are gathered whole before sampling (`CausalLM._logits`).
@@ -143,6 +144,10 @@ def plan(model: nnx.Module, mesh: Mesh) -> None:
             if not whole and m.parts % tp:
                 raise MeshError(f"{where}: {out} output columns split into only {m.parts} fixed blocks, which "
                                 f"tp={tp} does not divide: pick a smaller tp")
+        else:  # the rest (an MoE router, the shared expert's one-column gate): one block, whole on every device, still
+            # inside `shard_map` (left to XLA's partitioner, a one-column product split its K over the idle `data`
+            # devices and rounded differently)
+            m.split, m.parts = "blocks", 1
     model.mesh = mesh
 
 

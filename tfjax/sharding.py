@@ -195,8 +195,8 @@ def cache_specs(cache, mesh: Mesh, heads: bool = True):
     layers = []
     for layer in cache.layers:
         if isinstance(layer, DeltaState):
-            lanes = _lanes_spec(layer.state.shape[0], mesh)
-            layers.append(DeltaState(P(*lanes), P(*lanes, split(layer.state.shape[1]))))
+            lanes = DATA if layer.state.shape[0] % mesh.shape[DATA] == 0 else None  # (None: heads stay on axis 1)
+            layers.append(DeltaState(P(lanes), P(lanes, split(layer.state.shape[1]))))
         else:
             spec = P(None, None, split(layer.k.shape[2]))
             layers.append(KVPages(spec, spec))

@@ -191,20 +191,23 @@ def pair_tiles(idx: jax.Array, block_m: int):
     return idx.reshape(-1).astype(jnp.int32), pair_row, jnp.arange(p, dtype=jnp.int32) * block_m
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_sizes", "rows", "interpret"))
+@functools.partial(jax.jit, static_argnames=("bits", "group_size", "block_sizes", "rows", "slots", "interpret"))
 def moe(x: jax.Array, idx: jax.Array, weights: jax.Array, gate: tuple, up: tuple, down: tuple, *, bits: int = 4,
         group_size: int = 64, block_sizes: BlockSizes | RowsBlockSizes | None = None, rows: bool = False,
-        interpret: bool = False) -> jax.Array:
+        slots: bool = False, interpret: bool = False) -> jax.Array:
     """Routed experts: x [N, D], idx/weights [N, k], gate/up/down (weight, scales, biases) -> [N, D] in x.dtype.
 
-    ``rows`` (lane rounds: decode, verify): the K-split kernels of `RowsBlockSizes`; else the grouped GEMM."""
+    ``rows`` (lane rounds: decode, verify): the K-split kernels of `RowsBlockSizes`; else the grouped GEMM.
+    ``slots``: the weighted slot outputs [N, k, D] f32 instead, for the caller to `combine` (experts split over
+    devices: each device computes the slots of its own experts)."""
     d, i = x.shape[-1], gate[0].shape[1]
     _check(x, idx, weights, gate, up, down, bits, group_size)
     if rows:
         bs = block_sizes or RowsBlockSizes.for_shapes(d, i, group_size, bits)
         if problem := rows_problem(d, i, bits, group_size, bs):
             raise ValueError(problem)
-        return _moe_rows(x, idx, weights, gate, up, down, bits=bits, group_size=group_size, bs=bs, interpret=interpret)
+        y = _moe_rows(x, idx, weights, gate, up, down, bits=bits, group_size=group_size, bs=bs, interpret=interpret)
+        return y if slots else combine(y, x.dtype)
     bs = block_sizes or BlockSizes.for_shapes(d, i, group_size)
     _check_tiles(d, i, group_size, bs)
     n, k = idx.shape
@@ -242,7 +245,8 @@ def moe(x: jax.Array, idx: jax.Array, weights: jax.Array, gate: tuple, up: tuple
         interpret=interpret,
         name="moe_down",
     )(tile_expert, h, comb, *down)
-    return combine(jnp.take(y, row_of_pair, axis=0).reshape(n, k, d), x.dtype)
+    y = jnp.take(y, row_of_pair, axis=0).reshape(n, k, d)
+    return y if slots else combine(y, x.dtype)
 
 
 # --- Lane-round rows (decode, verify): tiles of the chosen experts x column blocks x K slices --------------------------
@@ -428,7 +432,7 @@ def _moe_rows(x, idx, weights, gate, up, down, *, bits, group_size, bs: RowsBloc
         name="moe_rows_down",
     )(pair_row, tile_expert, h, *down)
     y = _sum_slices(y[:, :p]).astype(x.dtype).astype(jnp.float32) * weights.reshape(p, 1).astype(jnp.float32)
-    return combine(y.reshape(n, k, d), x.dtype)
+    return y.reshape(n, k, d)  # the weighted slots; `moe` combines them
 
 
 def combine(y: jax.Array, dtype) -> jax.Array:

@@ -96,6 +96,37 @@ def test_tp_and_dp_reach_tfjax_load_under_the_same_names(monkeypatch, argv, want
     assert (seen["tp"], seen["dp"]) == want
 
 
+@pytest.mark.parametrize("argv,want", [
+    (["--coordinator", "host0:1234", "--num-processes", "2", "--process-id", "1"], ("host0:1234", 2, 1)),
+    (["--distributed"], (None, None, None)),  # JAX reads JAX_COORDINATOR_ADDRESS, ... or the cluster's environment
+    ([], None)])
+def test_multi_host_flags_join_the_run_before_the_model_loads(monkeypatch, argv, want):
+    from tfjax import sharding
+
+    order = []
+    monkeypatch.setattr(sharding, "initialize_distributed", lambda *a: order.append(("join", a)))
+    monkeypatch.setattr(api, "load", lambda model, **kw: order.append(("load", kw["tp"])))
+    cli._load(cli.parser().parse_args(["generate", "m", "hi", "--tp", "2", *argv]), lanes=1)
+    assert order == ([] if want is None else [("join", want)]) + [("load", 2)]
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["serve", "m", "--num-processes", "2", "--process-id", "0"], "`tfjax serve` runs in one process"),
+    (["chat", "m", "--distributed"], "`tfjax chat` runs in one process"),
+    (["generate", "m", "hi", "--coordinator", "h:1", "--num-processes", "2", "--process-id", "2"],
+     "process_id=2 is not in 0..1"),
+    (["generate", "m", "hi", "--coordinator", "h:1", "--num-processes", "2"], "both num_processes and process_id")])
+def test_a_multi_host_run_the_command_cannot_take_is_one_line(capsys, monkeypatch, argv, says):
+    import jax
+
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: pytest.fail("joined a run it should refuse"))
+    monkeypatch.setattr(api, "load", lambda *a, **k: pytest.fail("loaded a model for a refused run"))
+    if argv[0] == "serve":
+        pytest.importorskip("uvicorn")
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and says in one_clear_line(err), err
+
+
 def test_convert_of_a_file_that_is_not_gguf_fails_and_writes_nothing(capsys, tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text("# not a model\n")

@@ -22,14 +22,40 @@ LLAMA = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_si
              dtype="float32")
 
 
-def _worker(case: str, *args: str) -> dict:
+def _env(devices: int = 8) -> dict:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
     if os.environ.get("TFJAX_TP_TEST_DEVICES") != "real":  # scripts/device/gpu_tp.sh runs them on the GPUs
-        env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    run = subprocess.run([sys.executable, __file__, case, *args], env=env, cwd=ROOT, capture_output=True, text=True,
+        env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    return env
+
+
+def _worker(case: str, *args: str) -> dict:
+    run = subprocess.run([sys.executable, __file__, case, *args], env=_env(), cwd=ROOT, capture_output=True, text=True,
                          timeout=3600)
     assert run.returncode == 0, run.stderr[-4000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return _last_json(run.stdout)
+
+
+def _last_json(stdout: str) -> dict:
+    """The worker's JSON line (gloo, JAX's CPU collectives, prints to stdout too, as late as its shutdown)."""
+    return json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
+
+
+def _cluster(processes: int, devices: int, case: str, *args: str) -> list[dict]:
+    """Each process's JSON line from `processes` workers on this host, `devices` CPU devices each, joined by
+    jax.distributed at a free local port (over gloo, JAX's CPU collectives)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = str(s.getsockname()[1])
+    procs = [subprocess.Popen([sys.executable, __file__, case, port, str(processes), str(i), *args], env=_env(devices),
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(processes)]
+    outs = [p.communicate(timeout=3600) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-4000:]
+    return [_last_json(o) for o, _ in outs]
 
 
 # --- the worker side (8 simulated devices) ---
@@ -90,7 +116,10 @@ def case_logits(name: str) -> dict:
 
 def case_lane_rows(name: str, meshes: str = "1x1,1x2,2x2,4x2") -> dict:
     """sha256 of one lane round's forward over 2 lanes (random DeltaNet state and KV pages): the logits, the new
-    DeltaNet state and the gates, per mesh (lanes split over `data` where dp > 1)."""
+    DeltaNet state and the gates, per mesh (lanes split over `data` where dp > 1); and the lane counts of the
+    compiled program's [lanes, rows, hidden] activations (a device's own lanes only where dp > 1)."""
+    import re
+
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -115,11 +144,13 @@ def case_lane_rows(name: str, meshes: str = "1x1,1x2,2x2,4x2") -> dict:
         cache = sharding.shard_cache(cache, m.mesh)
         by_lane = lambda a: jax.device_put(a, NamedSharding(m.mesh, P(sharding.DATA)))  # noqa: B023, E731
         graphdef, params = models.split(m)
-        logits, new, traces = models.forward(graphdef, params, by_lane(tokens), by_lane(start), by_lane(valid), cache,
-                                             ROWS)
+        args = (graphdef, params, by_lane(tokens), by_lane(start), by_lane(valid), cache, ROWS)
+        logits, new, traces = models.forward(*args)
         delta = [(lc.state, tr.g, tr.beta) for lc, tr in zip(new.layers, traces, strict=True) if tr is not None]
         out[mesh] = hashlib.sha256(b"".join(np.asarray(a).tobytes() for a in jax.tree.leaves((logits, delta))))\
             .hexdigest()
+        hlo = models.forward.lower(*args).compile().as_text()
+        out[f"{mesh}/lanes"] = sorted({int(n) for n in re.findall(rf"f32\[(\d+),{rows},{m.config.hidden_size}\]", hlo)})
     return out
 
 
@@ -170,6 +201,102 @@ def case_tokens(name: str, meshes: str = "1x1,2x1,4x1,2x2") -> dict:
         rs = engine.run([Request(p, max_tokens=10) for p in turn2])  # resumed from the prefix cache
         out[f"{mesh}/resumed/drafted"] = [r.token_sha256 for r in rs]
         out[f"{mesh}/cached"] = [r.cached_tokens for r in rs]
+    return out
+
+
+def _drafter(kind: str, name: str, mesh):
+    """A random drafter, whole on every device of `mesh` (as `tfjax.load` places one): a draft model (the target's
+    shape, other weights) or a DFlash2 block drafter tapping both target layers."""
+    from tests.test_dflash2 import drafter_config
+    from tfjax import models, sharding
+    from tfjax.drafters import dflash2
+
+    config = _config(name)
+    if kind == "model":
+        d = models.build(config, seed=9)
+    else:
+        raw = drafter_config(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                             num_target_layers=config.num_hidden_layers)
+        raw["dflash_config"].update(block_size=4, target_layer_ids=[0, 1])
+        d = dflash2.build(dflash2.DFlashConfig.from_dict(raw), seed=12).bind(config)
+    return sharding.replicate(d, mesh)
+
+
+def case_drafters(name: str, meshes: str = "1x1,2x1,4x1,2x2") -> dict:
+    """token_sha256 per (mesh, drafter, mode): a draft model and a DFlash2 block drafter beside the sharded target,
+    greedy and sampled (and the same requests plain at 1 x 1); how many tokens the drafters proposed."""
+    import numpy as np
+
+    from tfjax.engine import Engine, Request
+    from tfjax.lanes.config import LaneConfig
+
+    lanes = LaneConfig(capacity=2, width=4, context=96, page_size=16)
+    rng = np.random.default_rng(8)
+    span = rng.integers(0, 250, 6).tolist()
+    prompts = [rng.integers(0, 250, 10).tolist() + span + span, rng.integers(0, 250, 14).tolist()]
+    modes = {"greedy": {}, "sampled": dict(temperature=1.0, top_k=20, top_p=0.95, seed=7)}
+    out = {}
+    for mesh in meshes.split(","):
+        tp, dp = map(int, mesh.split("x"))
+        target = _model(name, tp, dp)
+        for kind in ("model", "dflash2"):
+            engine = Engine(target, lanes, drafter=_drafter(kind, name, target.mesh), eos_ids=())
+            for mode, kw in modes.items():
+                for draft in (True, False) if mesh == "1x1" else (True,):  # plain at every mesh: case_tokens
+                    rs = engine.run([Request(p, max_tokens=10, draft=draft, **kw) for p in prompts])
+                    out[f"{mesh}/{kind}/{mode}/{'drafted' if draft else 'plain'}"] = [r.token_sha256 for r in rs]
+                    if draft:
+                        out[f"{mesh}/{kind}/{mode}/proposed"] = sum(r.proposed for r in rs)
+    return out
+
+
+def case_join(port: str, processes: str, process_id: str) -> dict:
+    """Join a run at the CLI's entry point, then fetch a lanes array split over a `data` axis spanning every process."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from tfjax import sharding
+
+    sharding.initialize_distributed(f"localhost:{port}", int(processes), int(process_id))
+    mesh = sharding.make_mesh(2, len(jax.devices()) // 2)
+    lanes = np.arange(4 * 3, dtype=np.int32).reshape(4, 3)
+    split = jax.jit(lambda a: a + 1, out_shardings=NamedSharding(mesh, P(sharding.DATA)))(jnp.asarray(lanes))
+    return dict(processes=jax.process_count(), devices=len(jax.devices()), same=bool(np.array_equal(
+        sharding.fetch(split), lanes + 1)), whole=split.is_fully_addressable)
+
+
+def case_cluster(port: str, processes: str, process_id: str, mesh: str) -> dict:
+    """token_sha256 of greedy, sampled and processed (logprobs) requests, drafted and plain, from one process of a
+    `processes`-process run on this host (0: no jax.distributed at all); the mesh spans every process's devices."""
+    import jax
+    import numpy as np
+
+    from tfjax import sharding
+    from tfjax.engine import Engine, Request
+    from tfjax.lanes.config import LaneConfig
+
+    if int(processes):
+        sharding.initialize_distributed(f"localhost:{port}", int(processes), int(process_id))
+    tp, dp = map(int, mesh.split("x"))
+    lanes = LaneConfig(capacity=2, width=4, context=96, page_size=16)
+    rng = np.random.default_rng(3)
+    span = rng.integers(0, 250, 6).tolist()
+    prompts = [rng.integers(0, 250, 10).tolist() + span + span, rng.integers(0, 250, 14).tolist()]
+    sampled = dict(temperature=1.0, top_k=20, top_p=0.95, seed=7)
+    modes = {"greedy": {}, "sampled": sampled, "processors": dict(sampled, presence_penalty=0.5, logprobs=True,
+                                                                  top_logprobs=2)}
+    engine = Engine(_model("tiny_dense", tp, dp), lanes, eos_ids=())
+    out = dict(processes=jax.process_count(), devices=len(jax.devices()), local=len(jax.local_devices()))
+    for mode, kw in modes.items():
+        for draft in (True, False):
+            rs = engine.run([Request(p, max_tokens=8, draft=draft, **kw) for p in prompts])
+            out[f"{mode}/{'drafted' if draft else 'plain'}"] = [r.token_sha256 for r in rs]
+            if mode == "processors":
+                out[f"logprobs/{'drafted' if draft else 'plain'}"] = hashlib.sha256(
+                    np.asarray([r.logprobs for r in rs], np.float32).tobytes()).hexdigest()
     return out
 
 
@@ -225,11 +352,14 @@ def test_logits_are_bit_identical_at_tp_1_2_and_4(dense_logits):
     assert hashes["2"] == hashes["1"] and hashes["4"] == hashes["1"], hashes
 
 
-@pytest.mark.slow  # ~45 s; the slow token test pins the same meshes through whole requests
+@pytest.mark.slow  # ~90 s; the slow token test pins the same meshes through whole requests
 def test_lane_round_is_bit_identical_with_lanes_split_over_data():
     # dp > 1 once rounded DeltaNet's gates differently (XLA split the row tiles of the lanes over `data`)
-    hashes = _worker("lane_rows", "tiny_dense")
+    out = _worker("lane_rows", "tiny_dense")
+    hashes = {k: v for k, v in out.items() if "/" not in k}
     assert len(set(hashes.values())) == 1, hashes
+    for mesh in ("1x1", "1x2", "2x2", "4x2"):  # each device computes only its own lanes (2 lanes, dp of them)
+        assert out[f"{mesh}/lanes"] == [2 // int(mesh[-1])], (mesh, out[f"{mesh}/lanes"])
 
 
 @pytest.mark.parametrize("tp", ["2", "4"])
@@ -295,6 +425,164 @@ def test_attention_kernel_runs_on_each_devices_own_heads(monkeypatch, rows, head
             assert f"f32[2,3,{heads // tp},64]" in hlo, tp  # q and the output: a device's own heads
 
 
+@pytest.mark.slow  # interpret mode at TP=1, 2, 4
+def test_deltanet_kernel_runs_on_each_devices_own_heads(monkeypatch):
+    """The GPU path's fused DeltaNet recurrence (interpreted here) inside `shard_map`: each device passes it its own
+    value heads (and their key heads' q, k columns), no collective, and TP=1, 2, 4 equal the unsharded kernel bit for
+    bit, state and output, with a replay's `count`."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from pallas_kernels import gated_delta as gdk
+    from tests.helpers import spy_interpreted
+    from tfjax import ops, sharding
+
+    calls = spy_interpreted(monkeypatch, gdk, "recurrent_qkv", lambda a, kw: (a[0].shape[1], kw["key_heads"]))
+    rng = np.random.default_rng(13)
+    b, t, hk, hv, dk, dv = 2, 3, 4, 8, 16, 32
+    state = jnp.asarray(rng.standard_normal((b, hv, dk, dv)) * 0.1, jnp.float32)
+    qkv = jnp.asarray(rng.standard_normal((b, t, 2 * hk * dk + hv * dv)), jnp.float32)
+    g = jnp.asarray(-rng.uniform(0.01, 1.0, (b, t, hv)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0.0, 1.0, (b, t, hv)), jnp.float32)
+    count = jnp.asarray([3, 1], jnp.int32)
+
+    def run(state, qkv, g, beta, count, mesh=None):
+        with ops.using(ops.PALLAS), ops.using_mesh(mesh):
+            return ops.recurrent_qkv(state, qkv, g, beta, count)
+
+    want = jax.jit(run)(state, qkv, g, beta, count)
+    assert calls == [(hv, hk)]
+    for tp in (1, 2, 4):
+        mesh = sharding.make_mesh(tp)
+        put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: B023, E731
+        args = (put(state, P(None, "model")), put(qkv, P()), put(g, P()), put(beta, P()), put(count, P()))
+        calls.clear()
+        fn = jax.jit(lambda *a: run(*a, mesh=mesh))  # noqa: B023
+        got = fn(*args)
+        for x, y in zip(got, want, strict=True):
+            np.testing.assert_array_equal(x, y, err_msg=f"{tp=}")
+        assert calls == [(hv // tp, hk // tp)], (tp, calls)
+        if tp > 1:
+            hlo = fn.lower(*args).compile().as_text()
+            assert "all-gather" not in hlo and "all-reduce" not in hlo and "all-to-all" not in hlo, tp
+
+
+@pytest.mark.slow  # ~45 s: interpret mode at TP=1, 2, 4
+def test_moe_kernel_runs_on_each_devices_own_experts(monkeypatch):
+    """The GPU path's grouped MoE kernels (interpreted here) inside `shard_map` with the expert stacks split by expert:
+    each device's kernel call sees only its own experts, and TP=1, 2, 4 equal the unsharded kernel bit for bit. (The
+    experimental lane-round rows kernels, `Kernels.moe_rows`, take whole stacks under a mesh: per shard, their slot
+    outputs matched but the combined rows did not, by an ulp.)"""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from pallas_kernels import moe, quant
+    from tests.helpers import spy_interpreted
+    from tfjax import ops, sharding
+
+    calls = spy_interpreted(monkeypatch, moe, "moe", lambda a, kw: a[3][0].shape[0])
+    rng = np.random.default_rng(15)
+    n, k, e, d, i, bits, group = 3, 2, 8, 256, 256, 4, 64
+
+    def stack(out, inp):
+        w, sc, b = quant.quantize(jnp.asarray(rng.standard_normal((e, out, inp)) * 0.05, jnp.float32), bits, group)
+        return w, sc, b
+
+    gate, up, down = stack(i, d), stack(i, d), stack(d, i)
+    idx = jnp.asarray(np.stack([rng.choice(e, k, replace=False) for _ in range(n)]), jnp.int32)
+    weights = jnp.asarray(rng.random((n, k)) + 0.1, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
+    def run(x, idx, weights, gate, up, down, mesh=None):
+        with ops.using(ops.PALLAS), ops.using_mesh(mesh):
+            return ops.experts(x, idx, weights, gate, up, down, bits=bits, group_size=group, rows=True)
+
+    want = jax.jit(run)(x, idx, weights, gate, up, down)
+    assert calls == [e]
+    for tp in (1, 2, 4):
+        mesh = sharding.make_mesh(tp)
+        split = lambda t: tuple(jax.device_put(a, NamedSharding(mesh, P("model"))) for a in t)  # noqa: B023, E731
+        calls.clear()
+        got = jax.jit(lambda *a: run(*a, mesh=mesh))(x, idx, weights, split(gate), split(up), split(down))  # noqa: B023
+        np.testing.assert_array_equal(got, want, err_msg=f"{tp=}")
+        assert calls == [e // tp], (tp, calls)
+
+
+def test_norm_kernel_runs_on_each_devices_own_lanes():  # ~7 s (interpret mode)
+    """The GPU path's row norm kernel (interpreted here) under a mesh with lanes over `data`: each device normalises
+    only its own lanes' rows, bit for bit the unsharded kernel's (gated norm too)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from pallas_kernels import row_norm as rn
+    from tests.helpers import spy_interpreted
+    from tfjax import ops, sharding
+
+    rng = np.random.default_rng(14)
+    x, z = (jnp.asarray(rng.standard_normal((4, 3, 64)), jnp.float32) for _ in range(2))
+    weight = jnp.asarray(rng.standard_normal(64), jnp.float32)
+
+    def norm(x, z, mesh=None):
+        with ops.using(ops.PALLAS), ops.using_mesh(mesh), ops.lanes_over_data(True):
+            return ops.row_norm(x, weight, kind="rms", eps=1e-6, rows=True), ops.row_norm(
+                x, weight, z, kind="gated", eps=1e-6, rows=True)
+
+    with pytest.MonkeyPatch.context() as mp:
+        calls = spy_interpreted(mp, rn, "row_norm", lambda a, kw: a[0].shape[0])
+        want = jax.jit(norm)(x, z)
+        mesh = sharding.make_mesh(2, 2)
+        lanes = NamedSharding(mesh, P(sharding.DATA))
+        calls.clear()
+        got = jax.jit(lambda x, z: norm(x, z, mesh))(jax.device_put(x, lanes), jax.device_put(z, lanes))
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert calls == [12, 6, 12, 6], calls  # each norm: `whole` asks the output's shape (all 12 rows), then the
+    # kernel runs on a device's own 2 lanes x 3 rows
+
+
+@pytest.mark.slow  # ~15-25 s on the shared 2-core machine (two compiles of the sampler)
+def test_sampling_sees_every_lane_on_every_device_with_lanes_split_over_data():
+    """Under a `data` axis XLA's partitioner gave each device its share of the lanes to sample (top-p's sort, softmax
+    and cumulative sum over [L / dp, W, V]: shapes that follow dp); `ops.whole` samples [L, W, V] everywhere."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from tfjax import ops, sampling, sharding
+
+    rng = np.random.default_rng(0)
+    lanes, width, vocab = 4, 3, 512
+    logits = jnp.asarray(rng.standard_normal((lanes, width, vocab)) * 3, jnp.float32)
+    positions = jnp.asarray(rng.integers(0, 100, (lanes, width)), jnp.int32)
+    params = sampling.SamplingParams.create(lanes, temperature=[0.7, 1.0, 1.3, 1.0], top_k=[0, 20, 300, 0],
+                                            top_p=[0.5, 0.9, 0.99, 0.95], seed=[1, 2, 3, 4])
+    want = jax.jit(sampling.sample)(logits, positions, params)
+    mesh = sharding.make_mesh(1, 2)
+    put = lambda a: jax.device_put(a, NamedSharding(mesh, P(sharding.DATA)))  # noqa: E731
+
+    def sample(*args):
+        with ops.using_mesh(mesh):
+            return ops.whole(sampling.sample, *args)
+
+    args = (put(logits), put(positions), jax.tree.map(put, params))
+    fn = jax.jit(sample)
+    np.testing.assert_array_equal(fn(*args), want)
+    sorts = re.findall(r"= \((f32\[[0-9,]+\])[^=]*\) sort\(", fn.lower(*args).compile().as_text())
+    assert sorts == [f"f32[{lanes},{width},{vocab}]"], sorts  # top-p's full sort: every lane, on every device
+
+
 @pytest.mark.parametrize("make,says", [
     (lambda s, n: s.make_mesh(4, 4), lambda n: f"tp=4 x dp=4 asks for 16 devices but {n} "),
     (lambda s, n: s.make_mesh(3), lambda n: "tp=3 is not a divisor of 8"),
@@ -326,6 +614,49 @@ def test_multi_host_entry_asks_for_both_process_count_and_id():
 
     with pytest.raises(sharding.MeshError, match="both num_processes and process_id"):
         sharding.initialize_distributed("localhost:1234", num_processes=2)
+    with pytest.raises(sharding.MeshError, match=r"process_id=2 is not in 0..1"):
+        sharding.initialize_distributed("localhost:1234", num_processes=2, process_id=2)
+
+
+def test_multi_host_entry_hands_jax_the_coordinator_count_and_id(monkeypatch):
+    import jax
+
+    from tfjax import sharding
+
+    seen = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: seen.append(kw))
+    sharding.initialize_distributed("host0:1234", 4, 3)
+    sharding.initialize_distributed()  # JAX reads its environment or the cluster's
+    assert seen == [dict(coordinator_address="host0:1234", num_processes=4, process_id=3),
+                    dict(coordinator_address=None, num_processes=None, process_id=None)]
+
+
+@pytest.mark.slow  # 7-18 s on the shared 2-core machine (a worker's jax start and distributed join)
+def test_a_one_process_cluster_joins_and_fetches_lanes_split_over_data():
+    (out,) = _cluster(1, 8, "join")
+    assert out == dict(processes=1, devices=8, same=True, whole=True), out
+
+
+@pytest.mark.slow  # ~15 s
+def test_two_processes_see_every_devices_and_fetch_lanes_split_across_them():
+    outs = _cluster(2, 2, "join")
+    assert outs == [dict(processes=2, devices=4, same=True, whole=False)] * 2, outs
+
+
+@pytest.mark.slow  # minutes: four engine runs, two of them over two processes
+def test_a_run_over_two_processes_gives_the_one_device_tokens():
+    """Two processes on this host, 2 CPU devices each, joined by jax.distributed: lanes over `data` across the
+    processes (2 x 2) and the `model` axis across them (4 x 1) give the tokens and logprobs of one device, and so does
+    a one-process cluster."""
+    want = _worker("cluster", "0", "0", "0", "1x1")
+    runs = {"1 process 2x2": _cluster(1, 8, "cluster", "2x2"), "2 processes 2x2": _cluster(2, 2, "cluster", "2x2"),
+            "2 processes 4x1": _cluster(2, 2, "cluster", "4x1")}
+    for name, outs in runs.items():
+        for out in outs:
+            assert out["processes"] == len(outs), (name, out)
+            for key, value in want.items():
+                if "/" in key:
+                    assert out[key] == value, (name, key)
 
 
 @pytest.mark.slow
@@ -342,6 +673,17 @@ def test_checkpoints_load_straight_into_their_shards_dense_and_4bit(tmp_path):
 def test_logits_are_bit_identical_across_degree_on_moe_and_llama(name):
     hashes = _worker("logits", name)["hashes"]
     assert hashes["2"] == hashes["1"] and hashes["4"] == hashes["1"], hashes
+
+
+@pytest.mark.slow  # ~15 min on a loaded 2-core machine
+def test_drafted_equals_plain_at_every_degree_with_a_draft_model_and_dflash2():
+    out = _worker("drafters", "tiny_dense")
+    for kind in ("model", "dflash2"):
+        for mode in ("greedy", "sampled"):
+            want = out[f"1x1/{kind}/{mode}/plain"]
+            for mesh in ("1x1", "2x1", "4x1", "2x2"):
+                assert out[f"{mesh}/{kind}/{mode}/drafted"] == want, (mesh, kind, mode)
+                assert out[f"{mesh}/{kind}/{mode}/proposed"] > 0, (mesh, kind, mode)
 
 
 @pytest.mark.slow

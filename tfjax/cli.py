@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -75,6 +76,14 @@ def _add_model(p: argparse.ArgumentParser, *, context: int = 2048) -> None:
     p.add_argument("--tp", type=_positive, default=None,
                    help="tensor parallel over this many devices, the same tokens at every degree (1, 2, 4 or 8; "
                         "default: one device, today's single-product path)")
+    d = p.add_argument_group("multi-host (every process runs the same command; docs/tensor_parallel.md)")
+    d.add_argument("--coordinator", default=None,
+                   help="HOST:PORT of process 0, which every process connects to (jax.distributed)")
+    d.add_argument("--num-processes", type=_positive, default=None, help="processes in the run (one per host)")
+    d.add_argument("--process-id", type=_non_negative(int), default=None, help="this process's index, 0 first")
+    d.add_argument("--distributed", action="store_true",
+                   help="join a multi-process run that JAX finds in the environment (JAX_COORDINATOR_ADDRESS, "
+                        "JAX_NUM_PROCESSES, JAX_PROCESS_ID, or SLURM / Open MPI); implied by the three flags above")
 
 
 def _add_sampling(p: argparse.ArgumentParser, *, max_tokens: int) -> None:
@@ -155,9 +164,29 @@ def _drafter(args) -> str | None:
     return args.drafter
 
 
+def _join(args) -> bool:
+    """Join the multi-process run the flags name (before any device is touched); whether there is one.
+    `generate` only: it prints on process 0; a server or a chat would need every process to see the same input."""
+    if not (args.distributed or args.coordinator or args.num_processes or args.process_id is not None):
+        return False
+    if args.cmd != "generate":
+        raise CliError(f"`tfjax {args.cmd}` runs in one process (every process of a multi-host run must see the same "
+                       f"requests, which {args.cmd} does not arrange yet); use `tfjax generate` across hosts, or "
+                       f"--tp within one host")
+    from tfjax import sharding
+
+    sharding.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+    return True
+
+
 def _load(args, lanes: int, width: int = 8):
     from tfjax import api
 
+    if _join(args):
+        import jax
+
+        if jax.process_index() != 0:  # every process computes the same tokens; one prints them
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115
     return api.load(args.model, drafter=_drafter(args), lanes=lanes, width=width, context=args.context,
                     copy_match=args.copy_match, dtype=args.dtype, prefix_cache_gb=args.prefix_cache_gb,
                     tp=args.tp, dp=getattr(args, "dp", 1))

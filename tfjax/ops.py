@@ -71,7 +71,9 @@ REFERENCE = Kernels(pallas=False)
 PALLAS = Kernels(pallas=True)
 _ACTIVE: contextvars.ContextVar[Kernels | None] = contextvars.ContextVar("tfjax_kernels", default=None)
 _MESH: contextvars.ContextVar = contextvars.ContextVar("tfjax_mesh", default=None)
+_LANES: contextvars.ContextVar[bool] = contextvars.ContextVar("tfjax_lanes", default=False)
 MODEL_AXIS = "model"  # the mesh axis of tensor parallelism (`tfjax.sharding`)
+DATA_AXIS = "data"  # the mesh axis the lanes split over
 
 
 def active() -> Kernels:
@@ -105,6 +107,25 @@ def using_mesh(mesh):
         yield
     finally:
         _MESH.reset(token)
+
+
+@contextlib.contextmanager
+def lanes_over_data(split: bool):
+    """Inside, activations' leading axis is the lanes (a lane round's rows): the ops' `shard_map`s split it over the
+    mesh's `data` axis where dp divides it, so each device computes only its own lanes (rows are tile-invariant and
+    lanes independent, so a lane's arithmetic is the same as on one device); outside, lanes are whole everywhere."""
+    token = _LANES.set(split)
+    try:
+        yield
+    finally:
+        _LANES.reset(token)
+
+
+def _lanes(a: jax.Array) -> bool:
+    """Whether `a`'s leading axis (its lanes) splits over `data` in the ops' `shard_map`s (`lanes_over_data`)."""
+    mesh = active_mesh()
+    dp = 1 if mesh is None else dict(mesh.shape).get(DATA_AXIS, 1)
+    return _LANES.get() and dp > 1 and a.ndim > 0 and a.shape[0] % dp == 0
 
 
 def own_kernels(method):
@@ -145,42 +166,47 @@ def rowwise(fn, x: jax.Array, rows: bool) -> jax.Array:
     heads a device holds: under a mesh the rows are gathered whole first, so XLA's partitioner never splits a tile)."""
     mesh = active_mesh()
     tiled = lambda x: fenced.rowwise(fn, x, rows or mesh is not None, gpu=_gpu())  # noqa: E731
-    return tiled(x) if mesh is None else whole(tiled, x)
+    return tiled(x) if mesh is None else whole(tiled, x, lanes=True)
 
 
 def _sharded(mesh) -> bool:
     return mesh is not None and mesh.size > 1
 
 
-def _spec(nd: int, axis: int | None) -> jax.sharding.PartitionSpec:
-    """The spec of an array split over `model` at `axis` (None: whole), whole over every other mesh axis."""
-    return jax.sharding.PartitionSpec(*[MODEL_AXIS if i == axis else None for i in range(nd)])
+def _spec(nd: int, axis: int | None, lanes: int | None = None) -> jax.sharding.PartitionSpec:
+    """The spec of an array split over `model` at `axis` (None: whole) and over `data` at `lanes` (None: whole)."""
+    return jax.sharding.PartitionSpec(*[MODEL_AXIS if i == axis else DATA_AXIS if i == lanes else None
+                                        for i in range(nd)])
 
 
 def _shard_map(fn, mesh, in_specs, out_specs):
-    """`jax.shard_map` manual over every mesh axis: the arrays split over `model` only, whole over `data` (the lanes),
-    so XLA's partitioner never splits a row tile or a head's lanes over `data` behind our back (its arithmetic
-    would follow the device's share of the lanes: a dot over 4 rows, or an exp over a handful of elements,
-    rounds differently)."""
+    """`jax.shard_map` manual over every mesh axis: the arrays split over `model`, and over `data` only by their
+    lanes (`lanes_over_data`: each device its own lanes' rows in whole row tiles), so XLA's partitioner never splits
+    a row tile or a head's lanes over `data` behind our back (its arithmetic would follow the device's share of the
+    rows: a dot over 4 rows, or an exp over a handful of elements, rounds differently)."""
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(mesh.axis_names),
                          check_vma=False)
 
 
-def whole(fn, *args):
-    """fn(*args) with every array whole on every device (the same arithmetic as one device) under a mesh."""
+def whole(fn, *args, lanes: bool = False):
+    """fn(*args) with every array (args may be pytrees) whole on every device (the same arithmetic as one device)
+    under a mesh; with `lanes` (fn rowwise over arrays whose leading axis is the lanes) split by lanes over `data`
+    where `lanes_over_data` says so."""
     mesh = active_mesh()
     if not _sharded(mesh):
         return fn(*args)
     out = jax.eval_shape(fn, *args)
-    return _shard_map(fn, mesh, tuple(_spec(a.ndim, None) for a in args),
-                      jax.tree.map(lambda o: _spec(o.ndim, None), out))(*args)
+    split = lanes and all(_lanes(a) for a in jax.tree.leaves(args))
+    spec = lambda a: _spec(a.ndim, None, 0 if split else None)  # noqa: E731
+    return _shard_map(fn, mesh, jax.tree.map(spec, args), jax.tree.map(spec, out))(*args)
 
 
 def per_head(fn, args: list, axes: list, out_axes: list):
     """fn over one head at a time (each arg with a size-1 head axis at `axes[i]`; None: passed whole), a fenced loop
     whose iteration is the same whatever the head count, so a head's arithmetic never depends on how many heads a
     device holds (XLA's reductions round differently at other shapes). Under a mesh each device loops over its own
-    heads inside `shard_map` (no collective). Returns fn's outputs with their head axes at `out_axes`."""
+    heads inside `shard_map` (no collective), and over its own lanes (every arg's leading axis) where
+    `lanes_over_data` splits them. Returns fn's outputs with their head axes at `out_axes`."""
     mesh = active_mesh()
     headed = [i for i, ax in enumerate(axes) if ax is not None]
 
@@ -200,8 +226,9 @@ def per_head(fn, args: list, axes: list, out_axes: list):
     out_nd = [a.ndim for a in jax.eval_shape(fn, *[jax.ShapeDtypeStruct(
         tuple(1 if i == ax else d for i, d in enumerate(a.shape)), a.dtype) if ax is not None else a
         for a, ax in zip(args, axes, strict=True)])]
-    return _shard_map(local, mesh, tuple(_spec(a.ndim, ax) for a, ax in zip(args, axes, strict=True)),
-                      tuple(_spec(n, ax) for n, ax in zip(out_nd, out_axes, strict=True)))(*args)
+    ln = 0 if all(_lanes(a) for a in args) else None
+    return _shard_map(local, mesh, tuple(_spec(a.ndim, ax, ln) for a, ax in zip(args, axes, strict=True)),
+                      tuple(_spec(n, ax, ln) for n, ax in zip(out_nd, out_axes, strict=True)))(*args)
 
 
 # --- norms and conv ---
@@ -216,7 +243,11 @@ def row_norm(x: jax.Array, weight: jax.Array | None = None, z: jax.Array | None 
     d = x.shape[-1]
     if rows and _gpu():
         flat = (lambda a: None if a is None else a.reshape(-1, d))
-        return rn.row_norm(flat(x), weight, flat(z), kind=kind, eps=eps).reshape(x.shape)
+        kernel = lambda x, z=None: rn.row_norm(flat(x), weight, flat(z), kind=kind, eps=eps).reshape(x.shape)  # noqa: E731
+        if active_mesh() is None:
+            return kernel(x, z)
+        # inside `shard_map`: each device its own lanes (one row a program, so a row's bits never depend on its company)
+        return whole(kernel, x, lanes=True) if z is None else whole(kernel, x, z, lanes=True)
     if z is None:
         return rowwise(lambda r: rn.reference(r, weight, kind=kind, eps=eps), x, rows)
     xz = jnp.concatenate([x, z.astype(x.dtype)], axis=-1)
@@ -267,8 +298,11 @@ def recurrent(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax
     Rows at or past a lane's `count` leave its state alone; their outputs are not to be read.
     """
     if active_mesh() is not None:  # one head at a time: the same arithmetic at every TP degree
-        return per_head(lambda *a: gdk.recurrent_reference(*a, count, gpu=_gpu()), [state, q, k, v, g, beta],
-                        [1, 2, 2, 2, 2, 2], [1, 2])
+        if count is None:
+            return per_head(lambda *a: gdk.recurrent_reference(*a, None, gpu=_gpu()), [state, q, k, v, g, beta],
+                            [1, 2, 2, 2, 2, 2], [1, 2])
+        return per_head(lambda *a: gdk.recurrent_reference(*a, gpu=_gpu()), [state, q, k, v, g, beta, count],
+                        [1, 2, 2, 2, 2, 2, None], [1, 2])
     return gdk.recurrent_reference(state, q, k, v, g, beta, count, gpu=_gpu())
 
 
@@ -279,10 +313,38 @@ def recurrent_qkv(state: jax.Array, qkv: jax.Array, g: jax.Array, beta: jax.Arra
     _, hv, dk, dv = state.shape
     key_heads = (qkv.shape[-1] - hv * dv) // (2 * dk)
     if _gpu() and gdk.supports(dk, dv):
+        mesh = active_mesh()
+        if _sharded(mesh) and key_heads % mesh.shape[MODEL_AXIS] == 0:
+            return _recurrent_qkv_per_shard(state, qkv, g, beta, count, key_heads, out_dtype)
         return gdk.recurrent_qkv(state, qkv, g, beta, count, key_heads=key_heads, out_dtype=out_dtype)
     q, k, v = split_qkv(qkv, key_heads, dk, hv, rows=True)  # lane rounds only: row-tiled norms
     state, out = gdk.recurrent_reference(state, q, k, v, g, beta, count, gpu=_gpu())
     return state, out.astype(out_dtype)
+
+
+def _recurrent_qkv_per_shard(state: jax.Array, qkv: jax.Array, g: jax.Array, beta: jax.Array, count: jax.Array | None,
+                             key_heads: int, out_dtype) -> tuple[jax.Array, jax.Array]:
+    """The fused recurrence kernel on each device's own value heads inside `shard_map` (no collective): the state split
+    by value head; qkv [B, T, C] and the gates whole on every device, each device slicing its key heads' q and k
+    columns, its value heads' v columns and gates. The kernel runs one (value head, v block, lane) a program, so a
+    head's arithmetic is the same whatever heads share the call: TP=N equals TP=1 bit for bit."""
+    mesh = active_mesh()
+    tp = mesh.shape[MODEL_AXIS]
+    b, hv, dk, dv = state.shape
+    kh, vh = key_heads // tp, hv // tp  # a device's key and value heads (value head h reads key head h // (hv / Hk))
+    count = jnp.full((b,), qkv.shape[1], jnp.int32) if count is None else count.astype(jnp.int32)
+
+    def local(state, qkv, g, beta, count):  # state [B, Hv/tp, Dk, Dv]; qkv [B, T, C], g/beta [B, T, Hv] whole
+        i = jax.lax.axis_index(MODEL_AXIS)
+        cols = lambda a, start, n: jax.lax.dynamic_slice_in_dim(a, start, n, axis=a.ndim - 1)  # noqa: E731
+        mine = jnp.concatenate([cols(qkv, i * kh * dk, kh * dk), cols(qkv, (key_heads + i * kh) * dk, kh * dk),
+                                cols(qkv, 2 * key_heads * dk + i * vh * dv, vh * dv)], axis=-1)
+        return gdk.recurrent_qkv(state, mine, cols(g, i * vh, vh), cols(beta, i * vh, vh), count, key_heads=kh,
+                                 out_dtype=out_dtype)
+
+    ln = 0 if all(_lanes(a) for a in (state, qkv, g, beta, count)) else None
+    return _shard_map(local, mesh, (_spec(4, 1, ln), _spec(3, None, ln), _spec(3, None, ln), _spec(3, None, ln),
+                                    _spec(1, None, ln)), (_spec(4, 1, ln), _spec(4, 2, ln)))(state, qkv, g, beta, count)
 
 
 def chunked(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
@@ -386,9 +448,10 @@ def _kernel_per_shard(kernel, q: jax.Array, pages: KVPages, page_table: jax.Arra
                 k, v = jnp.take(k, kv, axis=2), jnp.take(v, kv, axis=2)
         return kernel(q, k, v, table, pos)
 
-    kv = _spec(4, 2 if kv_split else None)
-    return _shard_map(local, mesh, (_spec(4, 2), kv, kv, _spec(2, None), _spec(2, None)), _spec(4, 2))(
-        q, pages.k, pages.v, page_table, positions)
+    kv = _spec(4, 2 if kv_split else None)  # the pages serve every lane: whole over `data`
+    ln = 0 if _lanes(q) and _lanes(page_table) and _lanes(positions) else None
+    return _shard_map(local, mesh, (_spec(4, 2, ln), kv, kv, _spec(2, None, ln), _spec(2, None, ln)),
+                      _spec(4, 2, ln))(q, pages.k, pages.v, page_table, positions)
 
 
 def _paged_rows_per_head(q: jax.Array, pages: KVPages, page_table: jax.Array, positions: jax.Array) -> jax.Array:
@@ -412,9 +475,10 @@ def _paged_rows_per_head(q: jax.Array, pages: KVPages, page_table: jax.Array, po
 
     if not _sharded(mesh):
         return local(q, pages.k, pages.v, page_table, positions)
-    kv = _spec(4, 2 if kv_split else None)
-    return _shard_map(local, mesh, (_spec(4, 2), kv, kv, _spec(2, None), _spec(2, None)), _spec(4, 2))(
-        q, pages.k, pages.v, page_table, positions)
+    kv = _spec(4, 2 if kv_split else None)  # the pages serve every lane: whole over `data`
+    ln = 0 if _lanes(q) and _lanes(page_table) and _lanes(positions) else None
+    return _shard_map(local, mesh, (_spec(4, 2, ln), kv, kv, _spec(2, None, ln), _spec(2, None, ln)),
+                      _spec(4, 2, ln))(q, pages.k, pages.v, page_table, positions)
 
 
 # --- linears ---
@@ -466,8 +530,9 @@ def row_parallel(fn, x: jax.Array, weights: list[jax.Array], parts: int) -> jax.
         parts = local(x, *ws)
         return parts if tp == 1 else jax.lax.all_gather(parts, MODEL_AXIS, axis=0, tiled=True)  # the one collective
 
-    return _shard_map(sharded, mesh, (_spec(x.ndim, x.ndim - 1), *[_spec(2, 1)] * len(weights)),
-                      _spec(x.ndim + 1, None))(x, *weights)
+    ln = 0 if _lanes(x) else None
+    return _shard_map(sharded, mesh, (_spec(x.ndim, x.ndim - 1, ln), *[_spec(2, 1)] * len(weights)),
+                      _spec(x.ndim + 1, None, None if ln is None else 1))(x, *weights)
 
 
 def column_parallel(fn, x: jax.Array, weights: list[jax.Array], parts: int, shard: bool = True) -> jax.Array:
@@ -490,8 +555,9 @@ def column_parallel(fn, x: jax.Array, weights: list[jax.Array], parts: int, shar
 
     if not _sharded(mesh):
         return local(x, *weights)
-    return _shard_map(local, mesh, (_spec(x.ndim, None), *[_spec(w.ndim, 0 if axis else None) for w in weights]),
-                      _spec(x.ndim, x.ndim - 1 if axis else None))(x, *weights)
+    ln = 0 if _lanes(x) else None
+    return _shard_map(local, mesh, (_spec(x.ndim, None, ln), *[_spec(w.ndim, 0 if axis else None) for w in weights]),
+                      _spec(x.ndim, x.ndim - 1 if axis else None, ln))(x, *weights)
 
 
 def sum_parts(parts: jax.Array) -> jax.Array:
@@ -562,6 +628,33 @@ def qmatmul(x: jax.Array, weight: jax.Array, scales: jax.Array, biases: jax.Arra
     return done(matmul(x, w, rows=rows, out_dtype=out_dtype))
 
 
+def _experts_per_shard(kernel, x: jax.Array, idx: jax.Array, weights: jax.Array, gate: tuple, up: tuple,
+                       down: tuple) -> jax.Array:
+    """The MoE kernel on each device's own experts inside `shard_map` (the stacks split by expert): a device runs the
+    kernel on every (row, slot) pair, those of other devices' experts pointed at its first expert with weight 0, and
+    keeps the weighted slot outputs [N, k, D] of its own; one all-gather brings every device's slots, each slot is
+    taken from its expert's device (a select, never a sum across devices), and the slots are summed in order 0..k-1
+    as on one device (`moe.combine`). A pair's arithmetic depends only on its row and expert (row invariance), so
+    TP=N equals TP=1 bit for bit; the kernel's work is not divided yet (every device runs every pair)."""
+    mesh = active_mesh()
+    tp, e = mesh.shape[MODEL_AXIS], gate[0].shape[0]
+    local_e = e // tp
+
+    def local(x, idx, weights, gate, up, down):  # stacks [E/tp, ...]
+        first = jax.lax.axis_index(MODEL_AXIS) * local_e
+        mine = (idx >= first) & (idx < first + local_e)
+        y = kernel(x, jnp.where(mine, idx - first, 0), jnp.where(mine, weights, 0), gate, up, down, slots=True)
+        return jax.lax.all_gather(jnp.where(mine[..., None], y, 0.0), MODEL_AXIS)  # [tp, N, k, D]
+
+    ln = 0 if _lanes(x) and _lanes(idx) and _lanes(weights) else None
+    stacks = jax.tree.map(lambda a: _spec(a.ndim, 0), (gate, up, down))
+    ys = _shard_map(local, mesh, (_spec(2, None, ln), _spec(2, None, ln), _spec(2, None, ln), *stacks),
+                    _spec(4, None, None if ln is None else 1))(x, idx, weights, gate, up, down)
+    owner = idx // local_e  # [N, k]: the device holding each slot's expert
+    y = jnp.take_along_axis(ys, owner[None, :, :, None], axis=0)[0]  # [N, k, D]
+    return moe.combine(y, x.dtype)
+
+
 def experts(x: jax.Array, idx: jax.Array, weights: jax.Array, gate: tuple, up: tuple, down: tuple, *,
             bits: int | None, group_size: int = 64, rows: bool = False) -> jax.Array:
     """Routed SwiGLU experts: x [N, D], idx/weights [N, k] -> sum_s weights[:, s] * expert_idx[:, s](x), [N, D].
@@ -575,12 +668,31 @@ def experts(x: jax.Array, idx: jax.Array, weights: jax.Array, gate: tuple, up: t
         if rows and active().moe_rows:
             bs = moe.RowsBlockSizes.for_shapes(d, i, group_size, bits)
             if moe.rows_problem(d, i, bits, group_size, bs) is None:
+                # whole stacks on every device under a mesh (per shard, its slots' weight multiply and their sum
+                # rounded differently once split by the gather: not exact yet)
                 return moe.moe(x, idx, weights, gate, up, down, bits=bits, group_size=group_size, block_sizes=bs,
                                rows=True)
         else:
             bs = moe.BlockSizes.for_shapes(d, i, group_size)
             if d % bs.block_n == 0 and i % bs.block_n == 0 and d % bs.block_k == 0 and i % bs.block_k == 0:
-                return moe.moe(x, idx, weights, gate, up, down, bits=bits, group_size=group_size, block_sizes=bs)
+                kernel = functools.partial(moe.moe, bits=bits, group_size=group_size, block_sizes=bs)
+                mesh = active_mesh()
+                if _sharded(mesh) and gate[0].shape[0] % mesh.shape[MODEL_AXIS] == 0:
+                    return _experts_per_shard(kernel, x, idx, weights, gate, up, down)
+                return kernel(x, idx, weights, gate, up, down)
     # one row a loop iteration: a tile of padding rows would gather and dequantize k experts each for nothing
-    one = lambda t: moe.reference(t[0][None], t[1][None], t[2][None], gate, up, down, bits=bits, group_size=group_size)
-    return fenced_map(lambda t: one(t)[0], (x, idx, weights))
+    def rowwise_experts(x, idx, weights, gate, up, down):
+        one = lambda t: moe.reference(t[0][None], t[1][None], t[2][None], gate, up, down, bits=bits,  # noqa: E731
+                                      group_size=group_size)
+        return fenced_map(lambda t: one(t)[0], (x, idx, weights))
+
+    mesh = active_mesh()
+    if not (_sharded(mesh) and _lanes(x) and _lanes(idx)):
+        return rowwise_experts(x, idx, weights, gate, up, down)
+    # rows split by lanes over `data`, manual: each device loops over its own rows (left to XLA's partitioner, the
+    # loop body's products were split over `data` too and rounded differently); `model` stays automatic (the stacks
+    # split by expert, each row reading its chosen experts wherever they lie)
+    lanes, stacks = jax.sharding.PartitionSpec(DATA_AXIS), jax.sharding.PartitionSpec()
+    specs = jax.tree.map(lambda _: stacks, (gate, up, down))
+    return jax.shard_map(rowwise_experts, mesh=mesh, in_specs=(lanes, lanes, lanes, *specs), out_specs=lanes,
+                         axis_names={DATA_AXIS}, check_vma=False)(x, idx, weights, gate, up, down)

@@ -1,9 +1,10 @@
 """Tensor parallelism over a `jax.sharding.Mesh` (`model` axis) with lanes over a `data` axis, exact across degree.
 
-Logical axes: parameters, KV pages, DeltaNet state and lane state carry logical names (`vocab`, `embed`, `heads`,
-`kv_heads`, `mlp`, `experts`, `lanes`) that `RULES` maps to mesh axes. Column-parallel projections (q/k/v,
-gate/up, DeltaNet's in-projections, the vocab of the embedding and lm_head) split their output; XLA's partitioner
-runs them per shard. Row-parallel ones (o_proj, down_proj, out_proj) are `Linear.parts` fixed K chunks
+Placement: parameters by module name (`param_spec`: the logical axis each splits, `vocab`/`heads`/`kv_heads`/`mlp`
+/`experts` -> `model`, `embed` whole), KV pages by KV head, DeltaNet state by value head and `lanes` -> `data`
+(`cache_specs`), lane state by `lanes` (`shard_lane_state`); there is no separate table of logical names.
+Column-parallel projections (q/k/v, gate/up, DeltaNet's in-projections, the vocab of the embedding and lm_head)
+split their output in fixed blocks, each device computing its own inside `shard_map` (`ops.column_parallel`). Row-parallel ones (o_proj, down_proj, out_proj) are `Linear.parts` fixed K chunks
 (`ops.row_parallel`): each device computes its chunks, one all-gather brings them back, and the residual add sums
 them in chunk order; the count is fixed by the weight's shape (`parts_for`), so TP=1, 2, 4 and 8 compute the same
 partials in the same order and agree bit for bit. Logits are gathered whole before sampling (`CausalLM._logits`).
@@ -143,6 +144,10 @@ def plan(model: nnx.Module, mesh: Mesh) -> None:
             if not whole and m.parts % tp:
                 raise MeshError(f"{where}: {out} output columns split into only {m.parts} fixed blocks, which "
                                 f"tp={tp} does not divide: pick a smaller tp")
+        else:  # the rest (an MoE router, the shared expert's one-column gate): one block, whole on every device, still
+            # inside `shard_map` (left to XLA's partitioner, a one-column product split its K over the idle `data`
+            # devices and rounded differently)
+            m.split, m.parts = "blocks", 1
     model.mesh = mesh
 
 
@@ -190,8 +195,8 @@ def cache_specs(cache, mesh: Mesh, heads: bool = True):
     layers = []
     for layer in cache.layers:
         if isinstance(layer, DeltaState):
-            lanes = _lanes_spec(layer.state.shape[0], mesh)
-            layers.append(DeltaState(P(*lanes), P(*lanes, split(layer.state.shape[1]))))
+            lanes = DATA if layer.state.shape[0] % mesh.shape[DATA] == 0 else None  # (None: heads stay on axis 1)
+            layers.append(DeltaState(P(lanes), P(lanes, split(layer.state.shape[1]))))
         else:
             spec = P(None, None, split(layer.k.shape[2]))
             layers.append(KVPages(spec, spec))
@@ -262,4 +267,19 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
     (SLURM, ...). Then `make_mesh` sees every host's devices (docs/tensor_parallel.md)."""
     if (num_processes is None) != (process_id is None):
         raise MeshError("give both num_processes and process_id, or neither (JAX reads them from the environment)")
+    if num_processes is not None and not 0 <= process_id < num_processes:
+        raise MeshError(f"process_id={process_id} is not in 0..{num_processes - 1} (num_processes={num_processes})")
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+
+
+def fetch(tree):
+    """`jax.device_get`, except that an array split over other processes' devices (lanes over a `data` axis that
+    spans hosts) is first gathered from every process: every process makes the same calls in the same order."""
+    def get(a):
+        if isinstance(a, jax.Array) and not a.is_fully_addressable and not a.is_fully_replicated:
+            from jax.experimental import multihost_utils
+
+            return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+        return jax.device_get(a)
+
+    return jax.tree.map(get, tree)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tfjax import grammar, models, sampling
+from tfjax import grammar, models, sampling, sharding
 from tfjax.engine import prefix_cache
 from tfjax.lanes import blocks, snapshots
 from tfjax.lanes import round as lane_round_mod
@@ -68,8 +68,6 @@ class Runner:
         self.pools = [snapshots.empty_pool(cache, self.snapshot_slots), snapshots.empty_pool(draft_cache,
                                                                                               self.snapshot_slots)]
         if getattr(target, "mesh", None) is not None:  # tensor parallel: caches by head, lanes over `data`
-            from tfjax import sharding
-
             sharded_drafter = getattr(drafter, "mesh", None) is not None
             self.state = sharding.shard_lane_state(self.state, target.mesh, draft_heads=sharded_drafter)
             self.pools = [sharding.shard_pool(p, target.mesh) for p in self.pools]
@@ -222,7 +220,7 @@ class Runner:
     @staticmethod
     def collect(out: lane_round_mod.RoundOut) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A dispatched round's committed tokens [L, W], counts [L], proposals offered [L] (waits for it)."""
-        tokens, count, proposed = jax.device_get((out.tokens, out.count, out.proposed))
+        tokens, count, proposed = sharding.fetch((out.tokens, out.count, out.proposed))
         return tokens, count, proposed
 
     @staticmethod
@@ -231,7 +229,7 @@ class Runner:
         lp = out.logprobs
         if lp is None:  # a round without processors: no live lane wanted them when it was dispatched
             return None
-        return jax.device_get((lp.logprob, lp.top_ids, lp.top_logprobs))
+        return sharding.fetch((lp.logprob, lp.top_ids, lp.top_logprobs))
 
     def release(self, lane: int) -> None:
         self.constrained.discard(lane)

@@ -27,7 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from tfjax import grammar, models, sampling
+from tfjax import grammar, models, ops, sampling
 from tfjax.lanes.config import LaneConfig
 from tfjax.lanes.copies import propose_copies
 from tfjax.lanes.drafter import RoundFacts
@@ -165,26 +165,29 @@ def _spread(a: jax.Array, order: jax.Array, n: int, fill=0) -> jax.Array:
 
 
 def _choose(logits: jax.Array, rows: jax.Array, positions: jax.Array, state: LaneState, spec: RoundSpec,
-            full: tuple[LaneState, jax.Array] | None):
+            full: tuple[LaneState, jax.Array] | None, mesh=None):
     """Each row's token, its grammar state and logprobs. With `full` (the whole state, the bucket's lane ids) the
     rows are spread back over every lane first: sampling and logprobs reduce over the vocabulary, and XLA's
-    arithmetic there may follow the array's shape, so they always see [capacity, W, V]; but a greedy token (the first
-    best id) is the same at any shape, so a bucket of greedy lanes without processors skips the spread."""
+    arithmetic there may follow the array's shape, so they always see [capacity, W, V]; under a `mesh` whole on
+    every device too (XLA's partitioner would otherwise give each device its `data` share of the lanes: top-p's
+    softmax and cumulative sum over [capacity / dp, W, n]). A greedy token (the first best id) is the same at any
+    shape, so a bucket of greedy lanes without processors skips the spread."""
     if full is not None and not spec.processors:
         chosen = jax.lax.cond(jnp.all(state.sampling.temperature == 0), lambda: sampling.greedy(logits),
-                              lambda: _spread_choose(logits, rows, positions, state, spec, full)[0])
+                              lambda: _spread_choose(logits, rows, positions, state, spec, full, mesh)[0])
         return chosen, None, None
-    return _spread_choose(logits, rows, positions, state, spec, full)
+    return _spread_choose(logits, rows, positions, state, spec, full, mesh)
 
 
 def _spread_choose(logits: jax.Array, rows: jax.Array, positions: jax.Array, state: LaneState, spec: RoundSpec,
-                   full: tuple[LaneState, jax.Array] | None):
+                   full: tuple[LaneState, jax.Array] | None, mesh=None):
     if full is not None:
         state, order = full
         n = state.length.shape[0]
         logits, rows, positions = (_spread(a, order, n) for a in (logits, rows, positions))
     scores, row_gstates = choose_scores(logits, rows, state, spec.processors)
-    chosen = sampling.sample(scores, positions, state.sampling)  # [L, W]
+    with ops.using_mesh(mesh):  # every device samples every lane, as one device does: never a share of the lanes
+        chosen = ops.whole(sampling.sample, scores, positions, state.sampling)  # [L, W]
     logprobs = sampling.logprobs(logits, chosen, state.proc.logprobs) if spec.processors and state.proc is not None \
         else None
     if full is not None:
@@ -234,7 +237,8 @@ def _round(target_def, target_params, drafter_def, drafter_params, state: LaneSt
     real = jnp.where(state.active, count + 1, 0)  # rows past a lane's proposals are padding: never read
     logits, cache, traces, *taps = _forward(target_def, target_params, rows, start, real, state.cache, mode)
     positions = length[:, None] + jnp.arange(width)[None, :]
-    chosen, row_gstates, logprobs = _choose(logits, rows, positions, state, spec, full)  # [L, W]
+    mesh = getattr(models.merge(target_def, target_params), "mesh", None)
+    chosen, row_gstates, logprobs = _choose(logits, rows, positions, state, spec, full, mesh)  # [L, W]
     processed = spec.processors and state.proc is not None
 
     # 3. accept: leading proposals that equal the target's own token, then the bonus token

@@ -40,10 +40,11 @@ class DeltaTrace:
     beta: jax.Array
     qkv: jax.Array | None = None
     kernels: ops.Kernels = ops.REFERENCE  # static: the choice of the pass that made it, which replay runs again
+    mesh: object = None  # static: the mesh of that pass (replay loops over heads and lanes as it did)
 
 
 jax.tree_util.register_dataclass(DeltaTrace, data_fields=["mixed", "q", "k", "v", "g", "beta", "qkv"],
-                                 meta_fields=["kernels"])
+                                 meta_fields=["kernels", "mesh"])
 
 
 def conv_tail_after(conv_tail: jax.Array, mixed: jax.Array, count: jax.Array) -> jax.Array:
@@ -57,7 +58,7 @@ def conv_tail_after(conv_tail: jax.Array, mixed: jax.Array, count: jax.Array) ->
 def replay(start: DeltaState, trace: DeltaTrace, count: jax.Array) -> DeltaState:
     """The state after each lane's first `count` rows, recomputed from the round's start state with the trace's
     kernels (those of the verify pass)."""
-    with ops.using(trace.kernels):
+    with ops.using(trace.kernels), ops.using_mesh(trace.mesh), ops.lanes_over_data(True):
         if trace.qkv is not None:  # the fused kernel path's trace
             state, _ = ops.recurrent_qkv(start.state, trace.qkv, trace.g, trace.beta, count)
         else:
@@ -164,7 +165,8 @@ class CausalLM(nnx.Module):
     def __call__(self, tokens: jax.Array, start: jax.Array, valid: jax.Array, cache: Cache, mode: Mode) -> tuple:
         """Logits [B, T, V] f32 (or [B, V] for the last valid row), the new cache, DeltaNet traces; with
         `mode.taps` also the tapped layers' outputs [B, T, len(taps) * D] (the last layer's after the norm)."""
-        with ops.using(self.kernels), ops.using_mesh(self.mesh):
+        # a lane round's rows: each device computes its own lanes where the mesh's `data` axis splits them
+        with ops.using(self.kernels), ops.using_mesh(self.mesh), ops.lanes_over_data(mode.rows):
             return self._forward(tokens, start, valid, cache, mode)
 
     def _forward(self, tokens, start, valid, cache, mode):

@@ -59,8 +59,8 @@ class Linear(nnx.Module):
     """y = x @ W.T (+ b); W [out, in] dense, or MLX affine-quantized (weight/scales/biases).
 
     `split`, `parts` (static, `tfjax.sharding.plan`): "row" with `parts` fixed K-split partials, "column" with
-    `parts` fixed output blocks (split over the mesh) or "blocks" (the same blocks, every device all of them);
-    `parts` 1: one product."""
+    `parts` fixed output blocks (split over the mesh) or "blocks" (the same blocks, every device all of them; one
+    block for the Linears the plan does not split); `parts` 1 and "row": one product (no mesh)."""
 
     split, parts = "row", 1
 
@@ -81,7 +81,7 @@ class Linear(nnx.Module):
     def __call__(self, x: jax.Array, rows: bool = False) -> jax.Array:
         if self.parts > 1 and self.split == "row":
             return ops.sum_parts(self.partials(x, rows)).astype(x.dtype)
-        if self.parts > 1:
+        if self.parts > 1 or self.split == "blocks":
             y = self._blocks(x, rows)
         elif self.quant is None:
             y = ops.matmul(x, self.weight[...], rows=rows)

@@ -91,12 +91,12 @@ class GatedDeltaNet(nnx.Module):
         if mode.rows and ops.delta_fused():  # two launches: conv (with the next tail), recurrence (with the norms)
             qkv, new_conv = ops.conv_silu_window(cache.conv, mixed, self.conv1d["weight"][...], valid)
             state, out = ops.recurrent_qkv(cache.state, qkv, g, beta, out_dtype=x.dtype)
-            trace = DeltaTrace(mixed, None, None, None, g, beta, qkv=qkv, kernels=kernels)
+            trace = DeltaTrace(mixed, None, None, None, g, beta, qkv=qkv, kernels=kernels, mesh=ops.active_mesh())
         else:
             tr = self.step_inputs(mixed, cache.conv, g, beta, mode.rows)
             if mode.rows:
                 state, out = ops.recurrent(cache.state, tr.q, tr.k, tr.v, tr.g, tr.beta)
-                trace = dataclasses.replace(tr, kernels=kernels)
+                trace = dataclasses.replace(tr, kernels=kernels, mesh=ops.active_mesh())
             else:
                 live = (jnp.arange(t)[None, :] < valid[:, None])  # padded rows leave the state alone
                 m = live[..., None, None]
@@ -127,11 +127,20 @@ class SparseMoE(nnx.Module):
         lead, d = x.shape[:-1], x.shape[-1]
         xf = x.reshape(-1, d)
         logits = self.gate(xf, rows).astype(jnp.float32)
-        probs = jax.nn.softmax(logits, axis=-1)
-        top_p, top_i = jax.lax.top_k(probs, self.top_k)
-        top_p = (top_p / jnp.sum(top_p, axis=-1, keepdims=True)).astype(x.dtype)
+        k = self.top_k
+
+        def route(logits: jax.Array) -> jax.Array:  # [N, E] -> [N, 2k]: normalised top-k probabilities, their ids
+            top_p, top_i = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+            return jnp.concatenate([top_p / jnp.sum(top_p, axis=-1, keepdims=True), top_i.astype(jnp.float32)], -1)
+
+        gate = self.shared_expert_gate(xf, rows)
+        if ops.active_mesh() is not None:  # fixed row tiles: a device's share of the lanes never changes the shapes
+            routing, gate = ops.rowwise(route, logits, True), ops.rowwise(jax.nn.sigmoid, gate, True)
+        else:
+            routing, gate = route(logits), jax.nn.sigmoid(gate)
+        top_p, top_i = routing[:, :k].astype(x.dtype), routing[:, k:].astype(jnp.int32)
         routed = self.experts(xf, top_i, top_p, rows)
-        shared = self.shared_expert(xf, rows) * jax.nn.sigmoid(self.shared_expert_gate(xf, rows))
+        shared = self.shared_expert(xf, rows) * gate
         return (routed + shared).reshape(*lead, d)
 
     def partials(self, x: jax.Array, rows: bool = False) -> jax.Array:

@@ -6,7 +6,7 @@ Two engines of one target as `bench_generate` builds them: `copies` (the plain b
 `dflash2` (a block drafter, copies off). For each held-out prompt (or random ids):
 1. prefill: the prompt through plain's production prefill (`round.prefill_chunk`, a bucket of pages), the same
    over the whole page table, the target with the drafter's taps alone, and the dflash2 engine's production prefill
-   (`blocks.prefill_chunk`: taps and the drafter's absorb in one program); logits and every layer's prompt K/V
+   (its prompt path: `round.prefill_chunk` with taps, then `blocks.absorb_chunk`); logits and every layer's prompt K/V
    compared bit for bit with the first;
 2. rounds: `--tokens` tokens by plain (`copies`, draft off), then by `dflash2` draft off, drafting ORACLE blocks
    (the plain run's own next tokens: every round accepts the whole block) and HALF blocks (those, then wrong ones

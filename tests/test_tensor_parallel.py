@@ -701,3 +701,28 @@ def test_token_sha256_is_the_same_at_every_degree_drafted_and_plain(name):
 if __name__ == "__main__":
     case, *rest = sys.argv[1:]
     print(json.dumps(globals()[f"case_{case}"](*rest)))
+
+
+@pytest.mark.slow  # two tiny engines compiled, one of them over 4 simulated devices
+def test_the_server_over_a_mesh_answers_with_the_one_device_tokens(tmp_path):
+    """`tfjax serve --tp 2 --dp 2`: through HTTP, concurrent greedy and sampled replies hash as on one device."""
+    import asyncio
+
+    from tests.helpers import make_tiny_llama_with_tokenizer
+    from tests.server_helpers import in_process
+    from tfjax import api, packaged
+    from tfjax.server import create_app
+
+    folder = make_tiny_llama_with_tokenizer(tmp_path / "tiny", packaged.ensure_converted("smollm2"))
+    bodies = [{"messages": [{"role": "user", "content": f"Count to {n}"}], "max_tokens": 12, "temperature": t,
+               "seed": 3, "ignore_eos": True} for n, t in ((5, 0.0), (9, 0.8), (7, 0.0))]
+
+    async def hashes(llm):
+        async with in_process(create_app(llm, name="tiny", max_tokens=16)) as client:
+            replies = await asyncio.gather(*(client.post("/v1/chat/completions", json=b) for b in bodies))
+        assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
+        return [r.json()["token_sha256"] for r in replies]
+
+    one = asyncio.run(hashes(api.load(folder, lanes=4, width=4, context=256)))
+    mesh = asyncio.run(hashes(api.load(folder, lanes=4, width=4, context=256, tp=2, dp=2)))
+    assert mesh == one and len(set(one)) == 3

@@ -4,8 +4,7 @@
 # drafter: ORACLE blocks are the plain run's own next tokens (every round accepts all 8), HALF blocks turn wrong
 # from a point that varies (partial acceptance). Per held-out prompt it prints:
 #   prefill, plain, whole page table   plain's prefill program over all pages instead of a bucket of them
-#   prefill, target with taps alone    the target's prompt forward returning the drafter's taps (no drafter)
-#   prefill, dflash2 production        blocks.prefill_chunk: taps + the drafter's absorb in one program
+#   prefill, dflash2 production        plain's round.prefill_chunk itself, then blocks.absorb_chunk apart
 #   dflash2, <mode>                    the dflash2 engine end to end (draft off / oracle / half)
 #   dflash2, plain's prefill, <mode>   the same with the target's prompt K/V from plain's prefill program: rounds only
 # each with the logits or tokens, and the first layer and position whose K/V differ from plain's (or `same`).

@@ -5,9 +5,8 @@
 Two engines of one target as `bench_generate` builds them: `copies` (the plain baseline, `draft: false`) and
 `dflash2` (a block drafter, copies off). For each held-out prompt (or random ids):
 1. prefill: the prompt through plain's production prefill (`round.prefill_chunk`, a bucket of pages), the same
-   over the whole page table, the target with the drafter's taps alone, and the dflash2 engine's production prefill
-   (its prompt path: `round.prefill_chunk` with taps, then `blocks.absorb_chunk`); logits and every layer's prompt K/V
-   compared bit for bit with the first;
+   over the whole page table, and the dflash2 engine's production prefill (plain's `round.prefill_chunk` itself,
+   then `blocks.absorb_chunk` apart); logits and every layer's prompt K/V compared bit for bit with the first;
 2. rounds: `--tokens` tokens by plain (`copies`, draft off), then by `dflash2` draft off, drafting ORACLE blocks
    (the plain run's own next tokens: every round accepts the whole block) and HALF blocks (those, then wrong ones
    from a point that varies: partial acceptance); again with the dflash2 engine's target prefill swapped for plain's
@@ -121,33 +120,10 @@ def _fresh(r, lane: int = 0):
     return row
 
 
-def _tapped_prefill(r, prompt: np.ndarray, taps: tuple[int, ...]):
-    """The target alone over the prompt's production chunks in PROMPT mode with `taps` (no drafter in the program)."""
-    import dataclasses
-    import functools
-
-    from tfjax.models.decoder import lane_cache, put_lane, reset_if_first
-    from tfjax.models.layers import PROMPT
-
-    @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
-    def chunk(graphdef, params, cache, lane, tokens, start, valid):
-        sub = lane_cache(cache, lane)
-        sub = dataclasses.replace(sub, layers=[reset_if_first(layer, start) for layer in sub.layers])
-        mode = dataclasses.replace(PROMPT, taps=taps)
-        logits, sub, _, _ = models.merge(graphdef, params)(tokens, start[None], valid[None], sub, mode)
-        return logits, put_lane(cache, sub, lane)
-
-    logits = None
-    for tokens, s, n, _ in r._chunks(prompt, 0):
-        logits, r.state.cache = chunk(r.target_def, r.target_params, r.state.cache, jnp.int32(0), tokens,
-                                      jnp.int32(s), jnp.int32(n))
-    return logits
-
-
 def prefill_check(plain, dfl, ids: list[int]) -> None:
-    """The prompt's prefill into lane 0 from empty caches, four ways: plain's production program (a bucket of
-    pages), the same over the whole page table, the target with the drafter's taps alone, and the dflash2 engine's
-    production program (taps + the drafter's absorb). Logits and K/V against the first."""
+    """The prompt's prefill into lane 0 from empty caches, three ways: plain's production program (a bucket of
+    pages), the same over the whole page table, and the dflash2 engine's production path (plain's program, then the
+    drafter's absorb apart). Logits and K/V against the first."""
     arr, n = np.asarray(ids, np.int32), len(ids)
     rp, rd = plain.engine.runner, dfl.engine.runner
     runs = {}
@@ -161,9 +137,6 @@ def prefill_check(plain, dfl, ids: list[int]) -> None:
                                                      jnp.int32(s), jnp.int32(c), pages=None)
     rp.state.cache = cache
     runs["plain, whole page table"] = (logits, kv_of(plain, 0, n))
-    _fresh(rp)
-    logits = _tapped_prefill(rp, arr, dfl.engine.runner._models[1].config.target_layer_ids)
-    runs["target with taps alone"] = (logits, kv_of(plain, 0, n))
     _fresh(rd)
     logits = rd._prefill_with_taps(0, arr, 0, None, {})
     runs["dflash2 production"] = (logits, kv_of(dfl, 0, n))

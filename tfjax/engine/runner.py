@@ -182,13 +182,12 @@ class Runner:
         """Prompt chunks through the target, their tapped states into the block drafter's (paged) context."""
         st, logits = self.state, None
         st.cache = self._restore(0, st.cache, lane, restore)
-        taps = self._models[1].config.target_layer_ids
         for tokens, s, n, pages in self._chunks(prompt, resume):
-            logits, st.cache, tapped = lane_round_mod.prefill_chunk(
+            logits, st.cache, hidden = lane_round_mod.prefill_chunk(
                 self.target_def, self.target_params, st.cache, jnp.int32(lane), tokens, jnp.int32(s), jnp.int32(n),
-                pages=pages, taps=taps)
+                pages=pages)
             st.draft_cache = blocks.absorb_chunk(self.drafter_def, self.drafter_params, st.draft_cache,
-                                                 jnp.int32(lane), tapped, jnp.int32(s), jnp.int32(n))
+                                                 jnp.int32(lane), hidden, jnp.int32(s), jnp.int32(n))
             self._snapshot(0, st.cache, lane, s + n, saves)
         return logits
 

@@ -23,15 +23,17 @@ def _lane_view(cache: Cache, lane: jax.Array) -> Cache:
 
 
 @functools.partial(jax.jit, static_argnames=("drafter_def",), donate_argnames=("draft_cache",))
-def absorb_chunk(drafter_def, drafter_params, draft_cache: Cache, lane: jax.Array, taps: jax.Array, start: jax.Array,
-                 valid: jax.Array) -> Cache:
-    """The drafter's context absorbs one prompt chunk's tapped target states (`round.prefill_chunk(taps=...)`).
-
-    A program of its own: with the drafter in the target's chunk program, XLA compiled the target differently on
-    the GPU (a row of a layer one bf16 step off, then flipped near-tie tokens: issue 34); apart, the target's chunk
-    is plain's program with extra outputs, bit-identical to plain's (`scripts/probes/exact34_prefill.py`)."""
-    drafted = models.merge(drafter_def, drafter_params).absorb(taps, start[None], valid[None],
-                                                               _lane_view(draft_cache, lane))
+def absorb_chunk(drafter_def, drafter_params, draft_cache: Cache, lane: jax.Array, hidden: jax.Array,
+                 start: jax.Array, valid: jax.Array) -> Cache:
+    """The drafter's context absorbs one prompt chunk: its taps picked out of every target layer's output `hidden`
+    [1, C, L * D] (`round.prefill_chunk`), in a program apart from the target's (issue 34: the target's chunk is
+    plain's program, bit for bit)."""
+    drafter = models.merge(drafter_def, drafter_params)
+    ids = drafter.config.target_layer_ids
+    b, t, _ = hidden.shape
+    layers = hidden.reshape(b, t, -1, drafter.config.hidden_size)
+    taps = jnp.concatenate([layers[:, :, i] for i in ids], axis=-1)
+    drafted = drafter.absorb(taps, start[None], valid[None], _lane_view(draft_cache, lane))
     return Cache(drafted.layers, draft_cache.page_table)
 
 

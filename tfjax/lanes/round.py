@@ -320,19 +320,22 @@ def lanes_wanting_a_block(history: jax.Array, length: jax.Array, live: jax.Array
     return live & (copied == 0)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "pages", "taps"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("graphdef", "pages"), donate_argnames=("cache",))
 def prefill_chunk(graphdef, params, cache: Cache, lane: jax.Array, tokens: jax.Array, start: jax.Array,
-                  valid: jax.Array, pages: int | None = None, taps: tuple[int, ...] = ()):
-    """Feed one prompt chunk [1, C] of one lane: (logits [1, V] of its last valid row, cache, tapped states or None).
-    `pages`: the lane's first pages, which hold every key the chunk reads and writes (None: all of them); `taps`:
-    the layers whose hidden states a block drafter reads (`blocks.absorb_chunk`), returned beside the logits."""
+                  valid: jax.Array, pages: int | None = None):
+    """Feed one prompt chunk [1, C] of one lane: (logits [1, V] of its last valid row, cache, every layer's output
+    [1, C, L * D]). `pages`: the lane's first pages, which hold every key the chunk reads and writes (None: all).
+
+    Every engine runs this one program for a chunk, drafting or not: a block drafter reads its taps out of the
+    layer outputs in a program of its own (`blocks.absorb_chunk`). The target's chunk program compiled with a
+    drafter's taps (or its absorb) as other outputs gave other bits on the GPU than plain's (issue 34)."""
     sub = _lane_cache(cache, lane)
     if pages is not None:
         sub = dataclasses.replace(sub, page_table=sub.page_table[:, :pages])
     sub = dataclasses.replace(sub, layers=[_reset_if_first(l, start) for l in sub.layers])
-    mode = dataclasses.replace(PROMPT, taps=taps) if taps else PROMPT
-    logits, sub, _, *tapped = _forward(graphdef, params, tokens, start[None], valid[None], sub, mode)
-    return logits, _put_lane(cache, sub, lane), (tapped[0] if taps else None)
+    mode = dataclasses.replace(PROMPT, taps=tuple(range(len(sub.layers))))
+    logits, sub, _, hidden = _forward(graphdef, params, tokens, start[None], valid[None], sub, mode)
+    return logits, _put_lane(cache, sub, lane), hidden
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))

@@ -14,7 +14,6 @@ dense matmul's measured FLOP rate (2 * active parameters FLOPs a token).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import time
 
@@ -79,9 +78,7 @@ def main():
     ap.add_argument("--prompt", type=int, default=2048, help="prompt tokens to time (0: skip)")
     ap.add_argument("--matmul", type=int, default=8192, help="the dense matmul's size for the FLOP rate")
     ap.add_argument("--copy-gib", default="1,2,4", help="copy sizes for the bandwidth, GiB")
-    ap.add_argument("--moe-rows", default="0", help="routed experts' decode kernels to compare, alternated: 0 the "
-                    "grouped GEMM's decode placement, 1 the K-split rows kernels (ops.Kernels.moe_rows); e.g. 0,1")
-    ap.add_argument("--runs", type=int, default=3, help="alternated timing runs of --steps steps each (median of medians)")
+    ap.add_argument("--runs", type=int, default=3, help="timing runs of --steps steps each (median of medians)")
     args = ap.parse_args()
     c = geometry.moe35a3.replace(quantization=QuantConfig(4, 64))
     if args.layers:
@@ -102,12 +99,10 @@ def main():
     print(f"copy {bw / 1e12:.2f} TB/s (x.copy(), best of {args.copy_gib} GiB), scale {bw_scale / 1e12:.2f} TB/s; "
           f"roofline uses the copy", flush=True)
     e, k = c.num_experts, c.num_experts_per_tok
-    variants = [bool(int(v)) for v in args.moe_rows.split(",")]
-    kernels = model.kernels
-    print(f"tok/s and ms/step: median of {args.runs} alternated runs (min..max), each the median of {args.steps} synced steps")
-    print("| lanes | moe_rows | ctx | tok/s (all lanes) | ms/step | GB/step (fixed + routed + KV/state) | roofline tok/s | "
-          "share | compile s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"tok/s and ms/step: median of {args.runs} runs (min..max), each the median of {args.steps} synced steps")
+    print("| lanes | ctx | tok/s (all lanes) | ms/step | GB/step (fixed + routed + KV/state) | roofline tok/s | share | "
+          "compile s |")
+    print("|---|---|---|---|---|---|---|---|")
     for lanes in (int(v) for v in args.lanes.split(",")):
         cache = model.init_cache(lanes, args.context + args.steps + 8)
         key = jax.random.key(7)
@@ -121,40 +116,31 @@ def main():
             * c.linear_value_head_dim * 4 * 2
         step_bytes = fixed + routed + kv + state
 
-        def make_step(moe_rows):
-            model.kernels = dataclasses.replace(kernels, moe_rows=moe_rows)  # static: in the graphdef
-            variant = nnx.graphdef(model)
-
-            @functools.partial(jax.jit, donate_argnames=("cache",))
-            def step(params, last, at, cache):
-                logits, cache, _ = models.forward.__wrapped__(variant, params, last, at, jnp.ones_like(at), cache, ROWS)
-                return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None], cache
-            return step
+        @functools.partial(jax.jit, donate_argnames=("cache",))
+        def step(params, last, at, cache):
+            logits, cache, _ = models.forward.__wrapped__(graphdef, params, last, at, jnp.ones_like(at), cache, ROWS)
+            return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None], cache
 
         token = jnp.arange(lanes, dtype=jnp.int32)[:, None] + 11
         pos = jnp.full((lanes,), args.context, jnp.int32)
-        steps, compile_s, runs = {}, {}, {v: [] for v in variants}
-        for v in variants:
-            steps[v] = make_step(v)
-            t0 = time.perf_counter()
-            token, cache = steps[v](params, token, pos, cache)
-            token.block_until_ready()
-            compile_s[v] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        token, cache = step(params, token, pos, cache)
+        token.block_until_ready()
+        compile_s = time.perf_counter() - t0
+        runs = []
         for _ in range(args.runs):
-            for v in variants:
-                times = []
-                for i in range(args.steps):
-                    t = time.perf_counter()
-                    token, cache = steps[v](params, token, pos + 1 + i, cache)
-                    token.block_until_ready()
-                    times.append(time.perf_counter() - t)
-                runs[v].append(float(np.median(times)))
+            times = []
+            for i in range(args.steps):
+                t = time.perf_counter()
+                token, cache = step(params, token, pos + 1 + i, cache)
+                token.block_until_ready()
+                times.append(time.perf_counter() - t)
+            runs.append(float(np.median(times)))
         roof = step_bytes / bw
-        for v in variants:
-            med, lo, hi = float(np.median(runs[v])), min(runs[v]), max(runs[v])
-            print(f"| {lanes} | {int(v)} | {args.context} | {lanes / med:.1f} ({lanes / hi:.1f}..{lanes / lo:.1f}) | "
-                  f"{med * 1e3:.2f} | {step_bytes / 1e9:.2f} ({fixed / 1e9:.2f} + {routed / 1e9:.2f} + "
-                  f"{(kv + state) / 1e9:.2f}) | {lanes / roof:.0f} | {roof / med:.1%} | {compile_s[v]:.0f} |", flush=True)
+        med, lo, hi = float(np.median(runs)), min(runs), max(runs)
+        print(f"| {lanes} | {args.context} | {lanes / med:.1f} ({lanes / hi:.1f}..{lanes / lo:.1f}) | {med * 1e3:.2f} | "
+              f"{step_bytes / 1e9:.2f} ({fixed / 1e9:.2f} + {routed / 1e9:.2f} + {(kv + state) / 1e9:.2f}) | "
+              f"{lanes / roof:.0f} | {roof / med:.1%} | {compile_s:.0f} |", flush=True)
         del cache
     if args.prompt:
         cache = model.init_cache(1, args.prompt + 16)

@@ -281,10 +281,8 @@ def test_gpu_rows_bit_identical_alone_and_among_1_to_16_rows(rows):
     assert jax.default_backend() == "gpu"
     rng = np.random.default_rng(30)
     stacks = _moe35a3(rng)
-    kernels = ops.Kernels(pallas=True, moe_rows=rows)  # the K-split kernels are behind the config until measured
-
     def f(x, i, w):
-        with ops.using(kernels):
+        with ops.using(ops.PALLAS):
             return ops.experts(x, i, w, *stacks, bits=4, group_size=64, rows=rows)
 
     f = jax.jit(f)
@@ -319,7 +317,7 @@ def test_every_moe35a3_linear_shape_traces_through_the_gpu_dispatch():
     shapes = {(path[-1], m.weight.shape[0], m.weight.shape[1] * 8) for path, m in nnx.iter_modules(abstract)
               if isinstance(m, Linear) and m.quant is not None and path[-1] != "lm_head"}
     assert {("shared_expert_gate", 1, 2048), ("gate", 256, 2048)} <= shapes
-    with ops.using(ops.Kernels(pallas=True, moe_rows=True)):
+    with ops.using(ops.PALLAS):
         for name, n, k in sorted(shapes):
             lin = Linear(k, n, quant=(4, 64), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
             use_kernel_layout(lin)

@@ -46,14 +46,10 @@ class Kernels:
     delta_chunked: prompt chunks' DeltaNet through the chunked Pallas kernel (two launches a layer) instead of
         XLA's scan over chunks; experimental, off until a GPU shows it wins
         (`scripts/bench_graph.py --sections base,delta_prompt,prefill`).
-    moe_rows: lane-round rows (decode, verify) of the routed experts through the K-split kernels
-        (`pallas_kernels.moe`, `rows=True`) instead of the grouped GEMM's decode placement; experimental, off until a
-        GPU shows it wins and passes its row-invariance tests (`scripts/device/gpu_moe31.sh`).
     """
 
     pallas: bool = False
     delta_chunked: bool = False
-    moe_rows: bool = False
 
     @classmethod
     def default(cls) -> Kernels:
@@ -665,21 +661,19 @@ def experts(x: jax.Array, idx: jax.Array, weights: jax.Array, gate: tuple, up: t
     kernels and prompts the grouped GEMM; elsewhere the reference one row a loop iteration (row-invariant)."""
     d, i = x.shape[-1], gate[0].shape[1]
     if _gpu() and bits is not None and all(len(s) == 3 for s in (gate, up, down)):
-        if rows and active().moe_rows:
-            bs = moe.RowsBlockSizes.for_shapes(d, i, group_size, bits)
-            if moe.rows_problem(d, i, bits, group_size, bs) is None:
-                # whole stacks on every device under a mesh (per shard, its slots' weight multiply and their sum
-                # rounded differently once split by the gather: not exact yet)
-                return moe.moe(x, idx, weights, gate, up, down, bits=bits, group_size=group_size, block_sizes=bs,
-                               rows=True)
-        else:
-            bs = moe.BlockSizes.for_shapes(d, i, group_size)
-            if d % bs.block_n == 0 and i % bs.block_n == 0 and d % bs.block_k == 0 and i % bs.block_k == 0:
-                kernel = functools.partial(moe.moe, bits=bits, group_size=group_size, block_sizes=bs)
-                mesh = active_mesh()
-                if _sharded(mesh) and gate[0].shape[0] % mesh.shape[MODEL_AXIS] == 0:
-                    return _experts_per_shard(kernel, x, idx, weights, gate, up, down)
-                return kernel(x, idx, weights, gate, up, down)
+        rows_bs = moe.RowsBlockSizes.for_shapes(d, i, group_size, bits)
+        if rows and moe.rows_problem(d, i, bits, group_size, rows_bs) is None:
+            # whole stacks on every device under a mesh (per shard, its slots' weight multiply and their sum
+            # rounded differently once split by the gather: not exact yet)
+            return moe.moe(x, idx, weights, gate, up, down, bits=bits, group_size=group_size, block_sizes=rows_bs,
+                           rows=True)
+        bs = moe.BlockSizes.for_shapes(d, i, group_size)
+        if d % bs.block_n == 0 and i % bs.block_n == 0 and d % bs.block_k == 0 and i % bs.block_k == 0:
+            kernel = functools.partial(moe.moe, bits=bits, group_size=group_size, block_sizes=bs)
+            mesh = active_mesh()
+            if _sharded(mesh) and gate[0].shape[0] % mesh.shape[MODEL_AXIS] == 0:
+                return _experts_per_shard(kernel, x, idx, weights, gate, up, down)
+            return kernel(x, idx, weights, gate, up, down)
     # one row a loop iteration: a tile of padding rows would gather and dequantize k experts each for nothing
     def rowwise_experts(x, idx, weights, gate, up, down):
         one = lambda t: moe.reference(t[0][None], t[1][None], t[2][None], gate, up, down, bits=bits,  # noqa: E731

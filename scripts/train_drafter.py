@@ -227,6 +227,10 @@ def main():
         if time.monotonic() - t_eval >= args.eval_every:
             evaluate(i)
             last, t_eval = i, time.monotonic()
+    if i == start:
+        raise SystemExit(f"no training step fit in --time-budget {budget:.0f} s: the data and the first evaluation took "
+                         f"{time.monotonic() - t0:.0f} s (its compiles {best['eval_s']:.0f} s). Raise --time-budget; "
+                         f"{out / 'data.npz'} is kept, so a rerun with the same --out trains at once.")
     if last != i:
         evaluate(i)
     if mngr.latest_step() != i:

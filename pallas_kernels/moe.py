@@ -310,6 +310,15 @@ def _rows_tile(acc, x, w_ref, s_ref, b_ref, e, j, kt, *, bits, group_size, block
     return acc
 
 
+def _store_pairs(out_ref, acc, pair, sl, j, block_n):
+    """acc [bn, bm] f32 into out_ref[sl, pair, j-th column block] for the tile's live pairs; dead rows address the
+    spare last row (masked off as well)."""
+    block_m = pair.shape[0]
+    out_r = jnp.where(pair >= 0, pair, out_ref.shape[1] - 1)[:, None] + jnp.zeros((block_m, block_n), jnp.int32)
+    out_c = j * block_n + lax.broadcasted_iota(jnp.int32, (block_m, block_n), 1)
+    plgpu.store(out_ref.at[sl, out_r, out_c], acc.T, mask=(pair >= 0)[:, None])
+
+
 def _rows_gate_up_kernel(pair_ref, tile_ref, x_ref, gw, gs, gb, uw, us, ub, g_ref, u_ref, *, k, bits, group_size,
                          block_n, block_k, tiles):
     # grid (T, I / bn, S); pair_ref [bm] i32 the tile's pairs (-1: none); x_ref [N, D] fields first; g*/u* whole
@@ -337,10 +346,8 @@ def _rows_gate_up_kernel(pair_ref, tile_ref, x_ref, gw, gs, gb, uw, us, ub, g_re
 
         zero = jnp.zeros((block_n, block_m), jnp.float32)
         g, u = lax.fori_loop(0, tiles, body, (zero, zero))
-        out_r = jnp.where(pair >= 0, pair, g_ref.shape[1] - 1)[:, None] + jnp.zeros((block_m, block_n), jnp.int32)
-        out_c = j * block_n + lax.broadcasted_iota(jnp.int32, (block_m, block_n), 1)
-        plgpu.store(g_ref.at[sl, out_r, out_c], g.T, mask=live)
-        plgpu.store(u_ref.at[sl, out_r, out_c], u.T, mask=live)
+        _store_pairs(g_ref, g, pair, sl, j, block_n)
+        _store_pairs(u_ref, u, pair, sl, j, block_n)
 
 
 def _rows_down_kernel(pair_ref, tile_ref, h_ref, dw, ds_, db, y_ref, *, bits, group_size, block_n, block_k, tiles):
@@ -364,9 +371,7 @@ def _rows_down_kernel(pair_ref, tile_ref, h_ref, dw, ds_, db, y_ref, *, bits, gr
             return _rows_tile(acc, x, dw, ds_, db, e, j, kt, **kw)
 
         acc = lax.fori_loop(0, tiles, body, jnp.zeros((block_n, block_m), jnp.float32))
-        out_r = jnp.where(pair >= 0, pair, y_ref.shape[1] - 1)[:, None] + jnp.zeros((block_m, block_n), jnp.int32)
-        out_c = j * block_n + lax.broadcasted_iota(jnp.int32, (block_m, block_n), 1)
-        plgpu.store(y_ref.at[sl, out_r, out_c], acc.T, mask=live)
+        _store_pairs(y_ref, acc, pair, sl, j, block_n)
 
 
 def rows_problem(d: int, i: int, bits: int, group_size: int, bs: RowsBlockSizes) -> str | None:

@@ -548,6 +548,43 @@ def test_norm_kernel_runs_on_each_devices_own_lanes():  # ~7 s (interpret mode)
     # kernel runs on a device's own 2 lanes x 3 rows
 
 
+@pytest.mark.parametrize("lanes,rows,heads", [(2, 1, 3), (4, 3, 16)])
+def test_deltanet_gates_are_bit_identical_with_lanes_split_over_data(lanes, rows, heads):
+    """DeltaNet's gates (exp, softplus, sigmoid on [B, T, H]) under a mesh take fixed row tiles of each device's own
+    lanes: 1 x 2, 2 x 2 and 4 x 2 give 1 x 1's bits (left to XLA's partitioner, a 1 x 2 exp over a device's 3
+    elements rounded some values differently from the same exp over 6: the first case, a few of its draws)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from tfjax import ops, sharding
+    from tfjax.models import qwen3_5
+
+    def on(tp, dp):
+        mesh = sharding.make_mesh(tp, dp)
+        lane = NamedSharding(mesh, P(sharding.DATA))
+
+        def gates(b_in, a, a_log, dt_bias):
+            with ops.using_mesh(mesh), ops.lanes_over_data(True):
+                return qwen3_5.gates(b_in, a, a_log, dt_bias)
+
+        fn = jax.jit(gates)
+        return lambda b_in, a, *rest: fn(jax.device_put(b_in, lane), jax.device_put(a, lane), *rest)
+
+    meshes = {(tp, dp): on(tp, dp) for tp, dp in ((1, 1), (1, 2), (2, 2), (4, 2))}
+    for draw in range(12):  # the same programs, fresh values
+        rng = np.random.default_rng(draw)
+        b_in, a = (jnp.asarray(rng.standard_normal((lanes, rows, heads)) * 3, jnp.float32) for _ in range(2))
+        args = (b_in, a, jnp.asarray(np.log(rng.uniform(1, 16, heads)), jnp.float32),
+                jnp.asarray(rng.standard_normal(heads), jnp.float32))
+        want = meshes[1, 1](*args)
+        for (tp, dp), fn in meshes.items():
+            for got, w in zip(fn(*args), want, strict=True):
+                np.testing.assert_array_equal(got, w, err_msg=f"{tp} x {dp}, {draw=}")
+
+
 @pytest.mark.slow  # ~15-25 s on the shared 2-core machine (two compiles of the sampler)
 def test_sampling_sees_every_lane_on_every_device_with_lanes_split_over_data():
     """Under a `data` axis XLA's partitioner gave each device its share of the lanes to sample (top-p's sort, softmax

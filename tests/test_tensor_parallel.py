@@ -300,6 +300,44 @@ def case_cluster(port: str, processes: str, process_id: str, mesh: str) -> dict:
     return out
 
 
+SERVE_BODIES = [{"messages": [{"role": "user", "content": f"Count to {n}"}], "max_tokens": m, "temperature": t,
+                 "seed": 3, "ignore_eos": True, **({"stop": stop} if stop else {})}
+                for n, m, t, stop in ((5, 12, 0.0, None), (9, 7, 0.8, None), (7, 12, 0.0, ["e"]), (3, 5, 0.0, None),
+                                      (4, 10, 0.7, ["a", "o"]), (6, 9, 0.0, None))]  # 6 requests, 4 lanes
+
+
+def case_serve(port: str, processes: str, process_id: str, folder: str, mesh: str) -> dict:
+    """(token_sha256, finish_reason) of concurrent chats over HTTP (uvicorn) to `tfjax serve`'s app on process 0 of
+    a `processes`-process run (0: no jax.distributed; mesh "none": one device), the other processes following its
+    engine steps without HTTP (`lockstep.follow`)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import jax
+    from server_helpers import connect, request, serving
+
+    from tfjax import api, sharding
+    from tfjax.engine import lockstep
+    from tfjax.server import create_app
+
+    if int(processes):
+        sharding.initialize_distributed(f"localhost:{port}", int(processes), int(process_id))
+    tp, dp = (None, 1) if mesh == "none" else map(int, mesh.split("x"))
+    llm = api.load(folder, lanes=4, width=4, context=256, tp=tp, dp=dp)
+    if jax.process_index() > 0:
+        return dict(steps=lockstep.follow(llm, lockstep.Channel()), rounds=llm.engine.rounds)
+    leader = lockstep.Leader(llm.engine, lockstep.Channel()) if jax.process_count() > 1 else None
+
+    def ask(url, body):
+        status, out, _ = request(connect(url), "POST", "/v1/chat/completions", body)
+        assert status == 200, out
+        return out["token_sha256"], out["choices"][0]["finish_reason"]
+
+    with serving(create_app(llm, name="tiny", max_tokens=16, lockstep=leader)) as url:
+        with ThreadPoolExecutor(len(SERVE_BODIES)) as pool:
+            replies = list(pool.map(lambda b: ask(url, b), SERVE_BODIES))  # noqa: B023
+    return dict(replies=replies, rounds=llm.engine.rounds)
+
+
 def case_checkpoint(folder: str) -> dict:
     """A Hugging Face folder and its 4-bit MLX conversion loaded straight into TP=2 shards: every shard the spec's
     slice of the one-device load, every device the same share; the same logits as a one-device load sharded after
@@ -694,6 +732,23 @@ def test_a_run_over_two_processes_gives_the_one_device_tokens():
             for key, value in want.items():
                 if "/" in key:
                     assert out[key] == value, (name, key)
+
+
+@pytest.mark.slow  # ~2-4 min: three tiny engines compiled, two of them over two processes
+def test_a_server_over_two_processes_answers_with_the_one_device_tokens(tmp_path):
+    """`tfjax serve` across two processes (2 CPU devices each, tp=2 x dp=2: lanes across the processes): process 0
+    answers concurrent greedy, sampled and stop-string chats over HTTP, more requests than lanes; process 1 runs the
+    same engine steps from process 0's broadcasts. The replies hash as one device's, and both ran the same rounds."""
+    from tests.helpers import make_tiny_llama_with_tokenizer
+    from tfjax import packaged
+
+    folder = str(make_tiny_llama_with_tokenizer(tmp_path / "tiny", packaged.ensure_converted("smollm2")))
+    one = _worker("serve", "0", "0", "0", folder, "none")
+    assert len({h for h, _ in one["replies"]}) == len(SERVE_BODIES), one
+    assert [r[1] for r in one["replies"]].count("stop") >= 1, one  # a stop string ended a lane early
+    leader, follower = _cluster(2, 2, "serve", folder, "2x2")
+    assert leader["replies"] == one["replies"], (leader, one)
+    assert follower["rounds"] == leader["rounds"] and follower["steps"] > 0, (leader, follower)
 
 
 @pytest.mark.slow

@@ -244,6 +244,7 @@ def test_a_multi_host_chat_on_process_0_broadcasts_each_turn_then_stops(monkeypa
     monkeypatch.setattr(lockstep, "Channel", lambda: channel(lambda a: sent.append(np.array(a)) or a))
     steps, submitted = [], []
     monkeypatch.setattr(tiny_llm.engine, "step", lambda step=tiny_llm.engine.step: steps.append(1) or step())
+    monkeypatch.setattr(lockstep, "fingerprint", lambda engine: 0)  # the fake follower below keeps no scheduler
     args = cli.parser().parse_args(["chat", str(tiny), "--max-tokens", "3", "--num-processes", "2", "--process-id",
                                     "0", "--coordinator", "h:1"])
     assert cli.chat(args, io.StringIO("hello\nand again\n"), io.StringIO()) == 0

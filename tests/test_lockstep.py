@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -22,10 +23,10 @@ def test_a_message_round_trips_its_submissions_cancellations_and_flags():
     msg = lockstep.Message([("submit", 4, ARGS), ("cancel", 2), ("submit", 5, dict(ARGS, logit_bias=None))],
                            step=True)
     header, payload = lockstep.encode(msg)
-    assert header.dtype == np.int32 and header.shape == (2,) and header[0] == len(payload)
+    assert header.dtype == np.int32 and header.shape == (3,) and header[0] == len(payload)
     assert lockstep.decode(header, payload + b"\0" * 40) == msg  # padding after the payload is ignored
     for step, stop in ((False, False), (False, True), (True, False)):
-        empty = lockstep.Message(step=step, stop=stop)
+        empty = lockstep.Message(step=step, stop=stop, state=2**31 - 1)
         header, payload = lockstep.encode(empty)
         assert payload == b"" and header[0] == 0 and lockstep.decode(header, b"") == empty
 
@@ -55,7 +56,7 @@ def test_a_long_message_crosses_in_fixed_shapes():
     wire = Wire()
     msg = lockstep.Message([("submit", i, dict(ARGS, prompt=list(range(300)))) for i in range(5)], step=True)
     lockstep.Channel(wire.lead).send(msg)
-    assert [a.shape for a in wire.sent] == [(2,), (lockstep.padded(int(wire.sent[0][0])),)]
+    assert [a.shape for a in wire.sent] == [(3,), (lockstep.padded(int(wire.sent[0][0])),)]
     assert lockstep.Channel(wire.follow).receive() == msg and not wire.sent
 
 
@@ -67,19 +68,22 @@ class FakeRequest:
 
 
 class FakeEngine:
-    """Records the calls that decide what a round computes."""
+    """Records the calls that decide what a round computes; its queue is all its scheduler holds."""
 
     def __init__(self):
         self.calls, self.results = [], {}
+        self.scheduler = SimpleNamespace(running={}, waiting=[])
 
     def submit(self, r):
         if r.args.get("max_tokens", 1) < 1:
             raise ValueError("refused")
         self.calls.append(("submit", r.id, r.args))
+        self.scheduler.waiting.append(r)
         return r.id
 
     def cancel(self, rid):
         self.calls.append(("cancel", rid))
+        self.scheduler.waiting = [r for r in self.scheduler.waiting if r.id != rid]
 
     def step(self):
         self.calls.append(("step",))
@@ -114,7 +118,7 @@ def test_a_follower_applies_the_leaders_submissions_and_cancellations_in_order_a
 def test_a_follower_finishes_nothing_itself():
     wire, llm = Wire(), FakeLLM()
     seen = []
-    llm.engine.submit = seen.append
+    llm.engine.submit = lambda r: seen.append(r) or llm.engine.scheduler.waiting.append(r)
     leader = lockstep.Leader(FakeEngine(), lockstep.Channel(wire.lead))
     leader.submit(FakeRequest(ARGS, id=7))
     leader.close()
@@ -133,7 +137,6 @@ def test_a_request_rebuilt_from_its_arguments_is_the_same_request():
     """`LLM.request` records every argument but the callbacks; rebuilt from them (after the JSON trip) a request has
     the same fields, stop check and grammar, so a follower's scheduler decides as the leader's does."""
     import inspect
-    from types import SimpleNamespace
 
     from tfjax import api
 
@@ -152,3 +155,18 @@ def test_a_request_rebuilt_from_its_arguments_is_the_same_request():
         {f: getattr(made, f) for f in vars(made) if f not in skip}
     out = [ord(c) for c in "ab\n\ncd"]
     assert again.stop_check(out) == made.stop_check(out) == 2
+
+
+def test_a_follower_whose_engine_differs_raises_before_it_steps():
+    """A follower that lost a cancellation (or stopped a lane the leader did not) says so at the next message,
+    instead of entering a round whose collectives no longer match process 0's."""
+    wire, llm = Wire(), FakeLLM()
+    llm.engine.cancel = lambda rid: None  # drops the cancellation
+    leader = lockstep.Leader(FakeEngine(), lockstep.Channel(wire.lead))
+    leader.submit(FakeRequest(ARGS, id=3))
+    leader.step()
+    leader.cancel(3)
+    leader.step()
+    with pytest.raises(lockstep.Diverged, match="differs from process 0's before step 2"):
+        lockstep.follow(llm, lockstep.Channel(wire.follow))
+    assert llm.engine.calls == [("submit", 3, ARGS), ("step",)]

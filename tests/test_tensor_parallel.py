@@ -41,9 +41,10 @@ def _last_json(stdout: str) -> dict:
     return json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
 
 
-def _cluster(processes: int, devices: int, case: str, *args: str) -> list[dict]:
+def _cluster(processes: int, devices: int, case: str, *args: str, timeout: float = 3600) -> list[dict]:
     """Each process's JSON line from `processes` workers on this host, `devices` CPU devices each, joined by
-    jax.distributed at a free local port (over gloo, JAX's CPU collectives)."""
+    jax.distributed at a free local port (over gloo, JAX's CPU collectives); past `timeout` seconds every worker is
+    killed and the test fails with their stderr (processes whose collectives disagree may wait forever)."""
     import socket
 
     with socket.socket() as s:
@@ -52,7 +53,13 @@ def _cluster(processes: int, devices: int, case: str, *args: str) -> list[dict]:
     procs = [subprocess.Popen([sys.executable, __file__, case, port, str(processes), str(i), *args], env=_env(devices),
                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(processes)]
-    outs = [p.communicate(timeout=3600) for p in procs]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        errs = [p.communicate()[1][-2000:] for p in procs]
+        pytest.fail(f"{case} workers still running after {timeout} s: {errs}")
     for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err[-4000:]
     return [_last_json(o) for o, _ in outs]
@@ -310,6 +317,7 @@ def case_serve(port: str, processes: str, process_id: str, folder: str, mesh: st
     """(token_sha256, finish_reason) of concurrent chats over HTTP (uvicorn) to `tfjax serve`'s app on process 0 of
     a `processes`-process run (0: no jax.distributed; mesh "none": one device), the other processes following its
     engine steps without HTTP (`lockstep.follow`)."""
+    import socket
     from concurrent.futures import ThreadPoolExecutor
 
     import jax
@@ -332,10 +340,22 @@ def case_serve(port: str, processes: str, process_id: str, folder: str, mesh: st
         assert status == 200, out
         return out["token_sha256"], out["choices"][0]["finish_reason"]
 
-    with serving(create_app(llm, name="tiny", max_tokens=16, lockstep=leader)) as url:
+    app = create_app(llm, name="tiny", max_tokens=16, lockstep=leader)
+    with serving(app) as url:
+        conn = connect(url)  # a long stream that goes away after its first text: the engine cancels it
+        conn.request("POST", "/v1/chat/completions", json.dumps({**SERVE_BODIES[0], "max_tokens": 200,
+                                                                   "stream": True}), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        for line in resp:  # until its first text
+            event = json.loads(line[6:]) if line.startswith(b"data: {") else {}
+            if any(c["delta"].get("content") for c in event.get("choices", ())):
+                break
+        resp.close()
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
         with ThreadPoolExecutor(len(SERVE_BODIES)) as pool:
             replies = list(pool.map(lambda b: ask(url, b), SERVE_BODIES))  # noqa: B023
-    return dict(replies=replies, rounds=llm.engine.rounds)
+    return dict(replies=replies, rounds=llm.engine.rounds, cancels=len(app.state.server.worker.cancel_log))
 
 
 def case_checkpoint(folder: str) -> dict:
@@ -737,8 +757,8 @@ def test_a_run_over_two_processes_gives_the_one_device_tokens():
 @pytest.mark.slow  # ~2-4 min: three tiny engines compiled, two of them over two processes
 def test_a_server_over_two_processes_answers_with_the_one_device_tokens(tmp_path):
     """`tfjax serve` across two processes (2 CPU devices each, tp=2 x dp=2: lanes across the processes): process 0
-    answers concurrent greedy, sampled and stop-string chats over HTTP, more requests than lanes; process 1 runs the
-    same engine steps from process 0's broadcasts. The replies hash as one device's, and both ran the same rounds."""
+    answers concurrent greedy, sampled and stop-string chats over HTTP, more requests than lanes, after a stream whose
+    client went away (cancelled); process 1 runs the same engine steps from process 0's broadcasts. The replies hash as one device's, and both ran the same rounds."""
     from tests.helpers import make_tiny_llama_with_tokenizer
     from tfjax import packaged
 
@@ -746,8 +766,8 @@ def test_a_server_over_two_processes_answers_with_the_one_device_tokens(tmp_path
     one = _worker("serve", "0", "0", "0", folder, "none")
     assert len({h for h, _ in one["replies"]}) == len(SERVE_BODIES), one
     assert [r[1] for r in one["replies"]].count("stop") >= 1, one  # a stop string ended a lane early
-    leader, follower = _cluster(2, 2, "serve", folder, "2x2")
-    assert leader["replies"] == one["replies"], (leader, one)
+    leader, follower = _cluster(2, 2, "serve", folder, "2x2", timeout=900)
+    assert leader["replies"] == one["replies"] and leader["cancels"] == one["cancels"] == 1, (leader, one)
     assert follower["rounds"] == leader["rounds"] and follower["steps"] > 0, (leader, follower)
 
 

@@ -9,7 +9,12 @@ same stop check, grammar and sampling), give it the leader's id, apply the submi
 order and step. The scheduler is deterministic and every process reads every lane's tokens (`sharding.fetch`), so
 every process makes the same choices and runs the same rounds; only process 0's requests have callbacks.
 
-A message is a [2] int32 header (payload bytes, flags), then, when there is one, the JSON payload padded to a
+Each message also carries a fingerprint of process 0's scheduler as it stands (live lanes, their requests and output
+lengths, the queue); a follower compares its own before it steps and raises at the first difference, naming the
+step, instead of entering a round whose collectives no longer match process 0's (a hang or a crash in the
+collectives library).
+
+A message is a [3] int32 header (payload bytes, flags, fingerprint), then, when there is one, the JSON payload padded to a
 power of two (few shapes, so few compiles of the broadcast), through `multihost_utils.broadcast_one_to_all`: a
 collective every process enters at the same point. An idle leader sends a heartbeat (no step) every
 `HEARTBEAT_S`, so a follower never waits long in one collective; a stop message ends the followers' loops.
@@ -21,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import zlib
 from collections.abc import Callable
 
 import numpy as np
@@ -39,6 +45,20 @@ class Message:
     ops: list[tuple] = dataclasses.field(default_factory=list)
     step: bool = False  # then run one engine step
     stop: bool = False  # the leader is done: followers return
+    state: int = 0  # `fingerprint` of the leader's engine once the ops are applied
+
+
+class Diverged(RuntimeError):
+    """This process's engine no longer matches process 0's: every later round would disagree."""
+
+
+def fingerprint(engine) -> int:
+    """A checksum of what the next step's admissions and round depend on: the live lanes' requests and output lengths,
+    and the waiting requests, in order."""
+    s = engine.scheduler
+    state = (sorted((lane, slot.request.id, len(slot.output)) for lane, slot in s.running.items()),
+             [r.id for r in s.waiting])
+    return zlib.crc32(repr(state).encode()) & 0x7FFFFFFF
 
 
 def _jsonable(args: dict) -> dict:
@@ -55,18 +75,18 @@ def _from_json(args: dict) -> dict:
 
 
 def encode(message: Message) -> tuple[np.ndarray, bytes]:
-    """The [2] int32 header (payload bytes, flags) and the JSON payload (empty when there are no ops)."""
+    """The [3] int32 header (payload bytes, flags, state) and the JSON payload (empty when there are no ops)."""
     ops = [[op[0], op[1], _jsonable(op[2])] if op[0] == "submit" else list(op) for op in message.ops]
     payload = json.dumps(ops, ensure_ascii=False, separators=(",", ":")).encode() if ops else b""
     flags = (STEP if message.step else 0) | (STOP if message.stop else 0)
-    return np.asarray([len(payload), flags], np.int32), payload
+    return np.asarray([len(payload), flags, message.state], np.int32), payload
 
 
 def decode(header: np.ndarray, payload: bytes) -> Message:
-    n, flags = (int(x) for x in header)
+    n, flags, state = (int(x) for x in header)
     ops = json.loads(payload[:n].decode()) if n else []
     ops = [("submit", int(op[1]), _from_json(op[2])) if op[0] == "submit" else ("cancel", int(op[1])) for op in ops]
-    return Message(ops, step=bool(flags & STEP), stop=bool(flags & STOP))
+    return Message(ops, step=bool(flags & STEP), stop=bool(flags & STOP), state=state)
 
 
 def padded(n: int) -> int:
@@ -94,7 +114,7 @@ class Channel:
             self.broadcast(buf)
 
     def receive(self) -> Message:
-        header = np.asarray(self.broadcast(np.zeros(2, np.int32)))
+        header = np.asarray(self.broadcast(np.zeros(3, np.int32)))
         n = int(header[0])
         payload = np.asarray(self.broadcast(np.zeros(padded(n), np.uint8))).tobytes() if n else b""
         return decode(header, payload)
@@ -122,7 +142,7 @@ class Leader:
 
     def _send(self, step: bool = False, stop: bool = False) -> None:
         ops, self.pending = self.pending, []
-        self.channel.send(Message(ops, step=step, stop=stop))
+        self.channel.send(Message(ops, step=step, stop=stop, state=fingerprint(self.engine)))
 
     def step(self) -> None:
         self._send(step=True)
@@ -149,8 +169,8 @@ def _drop(result) -> None:
 
 def follow(llm, channel: Channel) -> int:
     """A process other than 0: rebuild and apply process 0's submissions and cancellations, step when it steps,
-    until it stops. Returns the steps run. A request the leader accepted but this process cannot rebuild or submit
-    means the processes diverged: it raises (every later round would disagree)."""
+    until it stops. Returns the steps run. A request the leader accepted but this process cannot rebuild or submit,
+    or a scheduler whose fingerprint differs from the leader's, means the processes diverged: it raises."""
     engine, steps = llm.engine, 0
     while True:
         message = channel.receive()
@@ -164,6 +184,9 @@ def follow(llm, channel: Channel) -> int:
             engine.submit(request)
         if message.stop:
             return steps
+        if fingerprint(engine) != message.state:
+            raise Diverged(f"this process's engine differs from process 0's before step {steps + 1} (its live lanes, "
+                           f"their outputs or its queue); every process must run the same model and engine options")
         if message.step:
             engine.step()
             steps += 1

@@ -153,6 +153,28 @@ def test_a_multi_host_serve_serves_on_process_0_and_follows_elsewhere(monkeypatc
     assert did == ["join", ("app", "Leader"), "http"] if process == 0 else ["join", ("follow", True, "channel")], did
 
 
+def test_a_follower_that_diverged_is_one_line(capsys, monkeypatch):
+    pytest.importorskip("uvicorn")
+    import jax
+
+    from tfjax import sharding
+    from tfjax.engine import lockstep
+
+    def diverge(llm, channel):
+        raise lockstep.Diverged("this process's engine differs from process 0's before step 3")
+
+    monkeypatch.setattr(sharding, "initialize_distributed", lambda *a: None)
+    monkeypatch.setattr(api, "load", lambda model, **kw: SimpleNamespace(engine=None))
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    monkeypatch.setattr(lockstep, "Channel", lambda: None)
+    monkeypatch.setattr(lockstep, "follow", diverge)
+    monkeypatch.setattr("sys.stdout", io.StringIO())
+    code, _, err = run(capsys, "serve", "m", "--distributed")
+    assert code == 2 and "differs from process 0's before step 3" in one_clear_line(err)
+    assert "unexpected" not in err
+
+
 def test_convert_of_a_file_that_is_not_gguf_fails_and_writes_nothing(capsys, tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text("# not a model\n")

@@ -380,12 +380,13 @@ def _known_errors() -> tuple[type[BaseException], ...]:
 
     from tfjax.checkpoint import CheckpointError
     from tfjax.config import ConfigError
+    from tfjax.engine.lockstep import Diverged
     from tfjax.gguf_import import GGUFImportError
     from tfjax.hub import ModelNotFound
     from tfjax.packaged import PackagedModelError
 
     return (CliError, ModelNotFound, CheckpointError, ConfigError, GGUFImportError, PackagedModelError,
-            SafetensorError, FileNotFoundError, ValueError)
+            SafetensorError, FileNotFoundError, ValueError, Diverged)
 
 
 def main(argv: list[str] | None = None) -> int:

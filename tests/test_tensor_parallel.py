@@ -704,6 +704,24 @@ def test_bad_meshes_are_clear_errors(make, says):
     assert says(n) in str(e.value)
 
 
+def test_a_mesh_that_leaves_a_process_without_devices_is_a_clear_error(monkeypatch):
+    """Two processes of 2 devices each: tp=2 x dp=1 would put the whole mesh on process 0 while process 1 runs the
+    same rounds over arrays it holds no part of (it failed reading a token); tp=2 x dp=2 reaches both."""
+    from types import SimpleNamespace
+
+    import jax
+
+    from tfjax import sharding
+
+    devices = [SimpleNamespace(id=i, process_index=i // 2) for i in range(4)]
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(sharding.MeshError, match=r"tp=2 x dp=1 uses devices of 1 of the run's 2 processes.*"
+                                                 r"tp x dp = 4 \(2 devices a process\)"):
+        sharding.make_mesh(2, 1, devices)
+    monkeypatch.setattr(sharding, "Mesh", lambda devs, names: (devs.shape, names))
+    assert sharding.make_mesh(2, 2, devices) == ((2, 2), (sharding.DATA, sharding.MODEL))
+
+
 def test_multi_host_entry_asks_for_both_process_count_and_id():
     from tfjax import sharding
 

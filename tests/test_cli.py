@@ -111,8 +111,8 @@ def test_multi_host_flags_join_the_run_before_the_model_loads(monkeypatch, argv,
 
 
 @pytest.mark.parametrize("argv,says", [
-    (["serve", "m", "--num-processes", "2", "--process-id", "0"], "`tfjax serve` runs in one process"),
-    (["chat", "m", "--distributed"], "`tfjax chat` runs in one process"),
+    (["serve", "m", "--num-processes", "2", "--process-id", "2"], "process_id=2 is not in 0..1"),
+    (["chat", "m", "--coordinator", "h:1", "--process-id", "0"], "both num_processes and process_id"),
     (["generate", "m", "hi", "--coordinator", "h:1", "--num-processes", "2", "--process-id", "2"],
      "process_id=2 is not in 0..1"),
     (["generate", "m", "hi", "--coordinator", "h:1", "--num-processes", "2"], "both num_processes and process_id")])
@@ -125,6 +125,54 @@ def test_a_multi_host_run_the_command_cannot_take_is_one_line(capsys, monkeypatc
         pytest.importorskip("uvicorn")
     code, _, err = run(capsys, *argv)
     assert code == 2 and says in one_clear_line(err), err
+
+
+@pytest.mark.parametrize("process", [0, 1])
+def test_a_multi_host_serve_serves_on_process_0_and_follows_elsewhere(monkeypatch, process):
+    """Process 0 runs the HTTP app with a lockstep leader (its engine steps are broadcast); another process runs
+    the same engine steps without HTTP, until process 0 stops."""
+    pytest.importorskip("uvicorn")
+    import jax
+    import uvicorn
+
+    from tfjax import server, sharding
+    from tfjax.engine import lockstep
+
+    did = []
+    llm = SimpleNamespace(engine=object())
+    monkeypatch.setattr(sharding, "initialize_distributed", lambda *a: did.append("join"))
+    monkeypatch.setattr(api, "load", lambda model, **kw: llm)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: process)
+    monkeypatch.setattr(lockstep, "Channel", lambda: "channel")
+    monkeypatch.setattr(lockstep, "follow", lambda got, channel: did.append(("follow", got is llm, channel)))
+    monkeypatch.setattr(server, "create_app", lambda got, **kw: did.append(("app", type(kw["lockstep"]).__name__)))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: did.append("http"))
+    monkeypatch.setattr("sys.stdout", io.StringIO())  # a follower's _load sends its stdout to devnull
+    assert cli.main(["serve", "m", "--coordinator", "h:1", "--num-processes", "2", "--process-id", str(process)]) == 0
+    assert did == ["join", ("app", "Leader"), "http"] if process == 0 else ["join", ("follow", True, "channel")], did
+
+
+def test_a_follower_that_diverged_is_one_line(capsys, monkeypatch):
+    pytest.importorskip("uvicorn")
+    import jax
+
+    from tfjax import sharding
+    from tfjax.engine import lockstep
+
+    def diverge(llm, channel):
+        raise lockstep.Diverged("this process's engine differs from process 0's before step 3")
+
+    monkeypatch.setattr(sharding, "initialize_distributed", lambda *a: None)
+    monkeypatch.setattr(api, "load", lambda model, **kw: SimpleNamespace(engine=None))
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    monkeypatch.setattr(lockstep, "Channel", lambda: None)
+    monkeypatch.setattr(lockstep, "follow", diverge)
+    monkeypatch.setattr("sys.stdout", io.StringIO())
+    code, _, err = run(capsys, "serve", "m", "--distributed")
+    assert code == 2 and "differs from process 0's before step 3" in one_clear_line(err)
+    assert "unexpected" not in err
 
 
 def test_convert_of_a_file_that_is_not_gguf_fails_and_writes_nothing(capsys, tmp_path):
@@ -198,6 +246,35 @@ def test_chat_keeps_the_history_streams_replies_and_stops_at_exit(monkeypatch, t
     seen.clear()
     assert cli.chat(args, io.StringIO("/reset\nhi"), io.StringIO()) == 0
     assert seen == [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]]
+
+
+def test_a_multi_host_chat_on_process_0_broadcasts_each_turn_then_stops(monkeypatch, tiny, tiny_llm):
+    """Process 0 of a multi-host chat runs each turn through a lockstep leader: what it broadcasts makes a follower
+    submit the same prompts and step as often, and its end of input stops the follower."""
+    import collections
+
+    import jax
+    import numpy as np
+
+    from tfjax.engine import lockstep
+
+    sent = collections.deque()
+    monkeypatch.setattr(cli, "_load", lambda args, lanes, width=8: tiny_llm)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
+    channel = lockstep.Channel
+    monkeypatch.setattr(lockstep, "Channel", lambda: channel(lambda a: sent.append(np.array(a)) or a))
+    steps, submitted = [], []
+    monkeypatch.setattr(tiny_llm.engine, "step", lambda step=tiny_llm.engine.step: steps.append(1) or step())
+    monkeypatch.setattr(lockstep, "fingerprint", lambda engine: 0)  # the fake follower below keeps no scheduler
+    args = cli.parser().parse_args(["chat", str(tiny), "--max-tokens", "3", "--num-processes", "2", "--process-id",
+                                    "0", "--coordinator", "h:1"])
+    assert cli.chat(args, io.StringIO("hello\nand again\n"), io.StringIO()) == 0
+    follower = SimpleNamespace(request=lambda prompt, **kw: SimpleNamespace(id=None, prompt=prompt),
+                               engine=SimpleNamespace(submit=lambda r: submitted.append(r.prompt), cancel=None,
+                                                      step=lambda: None))
+    assert lockstep.follow(follower, channel(lambda a: sent.popleft())) == len(steps) > 0 and not sent
+    assert len(submitted) == 2 and submitted[1][: len(submitted[0])] == submitted[0]  # the second turn's history
 
 
 def test_serve_options_are_the_apps_keyword_arguments():

@@ -41,9 +41,10 @@ def _last_json(stdout: str) -> dict:
     return json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
 
 
-def _cluster(processes: int, devices: int, case: str, *args: str) -> list[dict]:
+def _cluster(processes: int, devices: int, case: str, *args: str, timeout: float = 3600) -> list[dict]:
     """Each process's JSON line from `processes` workers on this host, `devices` CPU devices each, joined by
-    jax.distributed at a free local port (over gloo, JAX's CPU collectives)."""
+    jax.distributed at a free local port (over gloo, JAX's CPU collectives); past `timeout` seconds every worker is
+    killed and the test fails with their stderr (processes whose collectives disagree may wait forever)."""
     import socket
 
     with socket.socket() as s:
@@ -52,7 +53,13 @@ def _cluster(processes: int, devices: int, case: str, *args: str) -> list[dict]:
     procs = [subprocess.Popen([sys.executable, __file__, case, port, str(processes), str(i), *args], env=_env(devices),
                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(processes)]
-    outs = [p.communicate(timeout=3600) for p in procs]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        errs = [p.communicate()[1][-2000:] for p in procs]
+        pytest.fail(f"{case} workers still running after {timeout} s: {errs}")
     for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err[-4000:]
     return [_last_json(o) for o, _ in outs]
@@ -298,6 +305,57 @@ def case_cluster(port: str, processes: str, process_id: str, mesh: str) -> dict:
                 out[f"logprobs/{'drafted' if draft else 'plain'}"] = hashlib.sha256(
                     np.asarray([r.logprobs for r in rs], np.float32).tobytes()).hexdigest()
     return out
+
+
+SERVE_BODIES = [{"messages": [{"role": "user", "content": f"Count to {n}"}], "max_tokens": m, "temperature": t,
+                 "seed": 3, "ignore_eos": True, **({"stop": stop} if stop else {})}
+                for n, m, t, stop in ((5, 12, 0.0, None), (9, 7, 0.8, None), (7, 12, 0.0, ["e"]), (3, 5, 0.0, None),
+                                      (4, 10, 0.7, ["a", "o"]), (6, 9, 0.0, None))]  # 6 requests, 4 lanes
+
+
+def case_serve(port: str, processes: str, process_id: str, folder: str, mesh: str) -> dict:
+    """(token_sha256, finish_reason) of concurrent chats over HTTP (uvicorn) to `tfjax serve`'s app on process 0 of
+    a `processes`-process run (0: no jax.distributed; mesh "none": one device), the other processes following its
+    engine steps without HTTP (`lockstep.follow`)."""
+    import socket
+    from concurrent.futures import ThreadPoolExecutor
+
+    import jax
+    from server_helpers import connect, request, serving
+
+    from tfjax import api, sharding
+    from tfjax.engine import lockstep
+    from tfjax.server import create_app
+
+    if int(processes):
+        sharding.initialize_distributed(f"localhost:{port}", int(processes), int(process_id))
+    tp, dp = (None, 1) if mesh == "none" else map(int, mesh.split("x"))
+    llm = api.load(folder, lanes=4, width=4, context=256, tp=tp, dp=dp)
+    if jax.process_index() > 0:
+        return dict(steps=lockstep.follow(llm, lockstep.Channel()), rounds=llm.engine.rounds)
+    leader = lockstep.Leader(llm.engine, lockstep.Channel()) if jax.process_count() > 1 else None
+
+    def ask(url, body):
+        status, out, _ = request(connect(url), "POST", "/v1/chat/completions", body)
+        assert status == 200, out
+        return out["token_sha256"], out["choices"][0]["finish_reason"]
+
+    app = create_app(llm, name="tiny", max_tokens=16, lockstep=leader)
+    with serving(app) as url:
+        conn = connect(url)  # a long stream that goes away after its first text: the engine cancels it
+        conn.request("POST", "/v1/chat/completions", json.dumps({**SERVE_BODIES[0], "max_tokens": 200,
+                                                                   "stream": True}), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        for line in resp:  # until its first text
+            event = json.loads(line[6:]) if line.startswith(b"data: {") else {}
+            if any(c["delta"].get("content") for c in event.get("choices", ())):
+                break
+        resp.close()
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+        with ThreadPoolExecutor(len(SERVE_BODIES)) as pool:
+            replies = list(pool.map(lambda b: ask(url, b), SERVE_BODIES))  # noqa: B023
+    return dict(replies=replies, rounds=llm.engine.rounds, cancels=len(app.state.server.worker.cancel_log))
 
 
 def case_checkpoint(folder: str) -> dict:
@@ -548,6 +606,43 @@ def test_norm_kernel_runs_on_each_devices_own_lanes():  # ~7 s (interpret mode)
     # kernel runs on a device's own 2 lanes x 3 rows
 
 
+@pytest.mark.parametrize("lanes,rows,heads", [(2, 1, 3), (4, 3, 16)])
+def test_deltanet_gates_are_bit_identical_with_lanes_split_over_data(lanes, rows, heads):
+    """DeltaNet's gates (exp, softplus, sigmoid on [B, T, H]) under a mesh take fixed row tiles of each device's own
+    lanes: 1 x 2, 2 x 2 and 4 x 2 give 1 x 1's bits (left to XLA's partitioner, a 1 x 2 exp over a device's 3
+    elements rounded some values differently from the same exp over 6: the first case, a few of its draws)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from tfjax import ops, sharding
+    from tfjax.models import qwen3_5
+
+    def on(tp, dp):
+        mesh = sharding.make_mesh(tp, dp)
+        lane = NamedSharding(mesh, P(sharding.DATA))
+
+        def gates(b_in, a, a_log, dt_bias):
+            with ops.using_mesh(mesh), ops.lanes_over_data(True):
+                return qwen3_5.gates(b_in, a, a_log, dt_bias)
+
+        fn = jax.jit(gates)
+        return lambda b_in, a, *rest: fn(jax.device_put(b_in, lane), jax.device_put(a, lane), *rest)
+
+    meshes = {(tp, dp): on(tp, dp) for tp, dp in ((1, 1), (1, 2), (2, 2), (4, 2))}
+    for draw in range(12):  # the same programs, fresh values
+        rng = np.random.default_rng(draw)
+        b_in, a = (jnp.asarray(rng.standard_normal((lanes, rows, heads)) * 3, jnp.float32) for _ in range(2))
+        args = (b_in, a, jnp.asarray(np.log(rng.uniform(1, 16, heads)), jnp.float32),
+                jnp.asarray(rng.standard_normal(heads), jnp.float32))
+        want = meshes[1, 1](*args)
+        for (tp, dp), fn in meshes.items():
+            for got, w in zip(fn(*args), want, strict=True):
+                np.testing.assert_array_equal(got, w, err_msg=f"{tp} x {dp}, {draw=}")
+
+
 @pytest.mark.slow  # ~15-25 s on the shared 2-core machine (two compiles of the sampler)
 def test_sampling_sees_every_lane_on_every_device_with_lanes_split_over_data():
     """Under a `data` axis XLA's partitioner gave each device its share of the lanes to sample (top-p's sort, softmax
@@ -609,6 +704,24 @@ def test_bad_meshes_are_clear_errors(make, says):
     assert says(n) in str(e.value)
 
 
+def test_a_mesh_that_leaves_a_process_without_devices_is_a_clear_error(monkeypatch):
+    """Two processes of 2 devices each: tp=2 x dp=1 would put the whole mesh on process 0 while process 1 runs the
+    same rounds over arrays it holds no part of (it failed reading a token); tp=2 x dp=2 reaches both."""
+    from types import SimpleNamespace
+
+    import jax
+
+    from tfjax import sharding
+
+    devices = [SimpleNamespace(id=i, process_index=i // 2) for i in range(4)]
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(sharding.MeshError, match=r"tp=2 x dp=1 uses devices of 1 of the run's 2 processes.*"
+                                                 r"tp x dp = 4 \(2 devices a process\)"):
+        sharding.make_mesh(2, 1, devices)
+    monkeypatch.setattr(sharding, "Mesh", lambda devs, names: (devs.shape, names))
+    assert sharding.make_mesh(2, 2, devices) == ((2, 2), (sharding.DATA, sharding.MODEL))
+
+
 def test_multi_host_entry_asks_for_both_process_count_and_id():
     from tfjax import sharding
 
@@ -657,6 +770,23 @@ def test_a_run_over_two_processes_gives_the_one_device_tokens():
             for key, value in want.items():
                 if "/" in key:
                     assert out[key] == value, (name, key)
+
+
+@pytest.mark.slow  # ~2-4 min: three tiny engines compiled, two of them over two processes
+def test_a_server_over_two_processes_answers_with_the_one_device_tokens(tmp_path):
+    """`tfjax serve` across two processes (2 CPU devices each, tp=2 x dp=2: lanes across the processes): process 0
+    answers concurrent greedy, sampled and stop-string chats over HTTP, more requests than lanes, after a stream whose
+    client went away (cancelled); process 1 runs the same engine steps from process 0's broadcasts. The replies hash as one device's, and both ran the same rounds."""
+    from tests.helpers import make_tiny_llama_with_tokenizer
+    from tfjax import packaged
+
+    folder = str(make_tiny_llama_with_tokenizer(tmp_path / "tiny", packaged.ensure_converted("smollm2")))
+    one = _worker("serve", "0", "0", "0", folder, "none")
+    assert len({h for h, _ in one["replies"]}) == len(SERVE_BODIES), one
+    assert [r[1] for r in one["replies"]].count("stop") >= 1, one  # a stop string ended a lane early
+    leader, follower = _cluster(2, 2, "serve", folder, "2x2", timeout=900)
+    assert leader["replies"] == one["replies"] and leader["cancels"] == one["cancels"] == 1, (leader, one)
+    assert follower["rounds"] == leader["rounds"] and follower["steps"] > 0, (leader, follower)
 
 
 @pytest.mark.slow

@@ -142,11 +142,16 @@ class LLM:
                 while n > 0 and len(self.tokenizer.decode(out[:n], skip_special_tokens=True)) > cut:
                     n -= 1
                 return n
+        args = dict(prompt=ids, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                    seed=seed, stop=stop, draft=draft, ignore_eos=ignore_eos, presence_penalty=presence_penalty,
+                    frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty, logit_bias=logit_bias,
+                    logprobs=logprobs, top_logprobs=top_logprobs, response_format=response_format, regex=regex)
         return Request(ids, max_tokens=max_tokens, **knobs, seed=seed, draft=draft, ignore_eos=ignore_eos,
                        stop_check=stop_check, on_tokens=on_tokens, on_logprobs=on_logprobs,
                        presence_penalty=presence_penalty,
                        frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
-                       logit_bias=logit_bias, logprobs=logprobs, top_logprobs=top_logprobs, grammar=token_grammar)
+                       logit_bias=logit_bias, logprobs=logprobs, top_logprobs=top_logprobs, grammar=token_grammar,
+                       args=args)
 
     def _reply(self, r: Result) -> Generation:
         return Generation(self.tokenizer.decode(r.token_ids, skip_special_tokens=True), r.token_ids, r.token_sha256,

@@ -76,7 +76,8 @@ def _add_model(p: argparse.ArgumentParser, *, context: int = 2048) -> None:
     p.add_argument("--tp", type=_positive, default=None,
                    help="tensor parallel over this many devices, the same tokens at every degree (1, 2, 4 or 8; "
                         "default: one device, today's single-product path)")
-    d = p.add_argument_group("multi-host (every process runs the same command; docs/tensor_parallel.md)")
+    d = p.add_argument_group("multi-host (every process runs the same command; serve and chat take requests on "
+                             "process 0 and the others follow its engine steps; docs/tensor_parallel.md)")
     d.add_argument("--coordinator", default=None,
                    help="HOST:PORT of process 0, which every process connects to (jax.distributed)")
     d.add_argument("--num-processes", type=_positive, default=None, help="processes in the run (one per host)")
@@ -164,19 +165,45 @@ def _drafter(args) -> str | None:
     return args.drafter
 
 
+def _multi(args) -> bool:
+    """Whether the flags ask for a multi-process run."""
+    return bool(args.distributed or args.coordinator or args.num_processes or args.process_id is not None)
+
+
 def _join(args) -> bool:
-    """Join the multi-process run the flags name (before any device is touched); whether there is one.
-    `generate` only: it prints on process 0; a server or a chat would need every process to see the same input."""
-    if not (args.distributed or args.coordinator or args.num_processes or args.process_id is not None):
+    """Join the multi-process run the flags name (before any device is touched); whether there is one."""
+    if not _multi(args):
         return False
-    if args.cmd != "generate":
-        raise CliError(f"`tfjax {args.cmd}` runs in one process (every process of a multi-host run must see the same "
-                       f"requests, which {args.cmd} does not arrange yet); use `tfjax generate` across hosts, or "
-                       f"--tp within one host")
     from tfjax import sharding
 
     sharding.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
     return True
+
+
+def _role(args) -> str:
+    """"alone" (one process), "leader" (process 0 of several: it takes the input and broadcasts each engine step's
+    requests, `engine.lockstep`) or "follower" (another process: it runs the same steps without input)."""
+    if not _multi(args):
+        return "alone"
+    import jax
+
+    if jax.process_count() == 1:
+        return "alone"
+    return "leader" if jax.process_index() == 0 else "follower"
+
+
+def _follow(llm) -> int:
+    """A follower's whole run: process 0's engine steps, until it stops."""
+    from tfjax.engine import lockstep
+
+    lockstep.follow(llm, lockstep.Channel())
+    return 0
+
+
+def _leader(llm):
+    from tfjax.engine import lockstep
+
+    return lockstep.Leader(llm.engine, lockstep.Channel())
 
 
 def _load(args, lanes: int, width: int = 8):
@@ -206,8 +233,9 @@ def _fits(llm, ids: list[int], max_tokens: int, what: str) -> None:
                        f"raise --context to at least {need}, or shorten the prompt or --max-tokens")
 
 
-def _stream(llm, ids: list[int], max_tokens: int, knobs: dict, out) -> object:
-    """Run one request, writing its text to `out` as the rounds produce it; its Result."""
+def _stream(llm, ids: list[int], max_tokens: int, knobs: dict, out, run=None) -> object:
+    """Run one request (through `run`, default the engine's), writing its text to `out` as the rounds produce it;
+    its Result."""
     dec = llm.tokenizer.incremental_decoder(skip_special_tokens=True)
 
     def on_tokens(tokens: list[int]) -> None:
@@ -215,7 +243,7 @@ def _stream(llm, ids: list[int], max_tokens: int, knobs: dict, out) -> object:
         out.flush()
 
     req = llm.request(ids, max_tokens=max_tokens, on_tokens=on_tokens, **knobs)
-    (result,) = llm.engine.run([req])
+    (result,) = (run or llm.engine.run)([req])
     out.write(dec.flush())
     if result.finish_reason == "error":
         raise CliError(f"generation failed: {result.error}")
@@ -243,6 +271,19 @@ def chat(args, stdin=None, stdout=None) -> int:
     llm = _load(args, lanes=1)
     if llm.tokenizer.chat_template is None:
         raise CliError(f"{args.model} has no chat template; use `tfjax generate` for plain continuation")
+    role = _role(args)
+    if role == "follower":
+        return _follow(llm)
+    if role == "alone":
+        return _chat(args, llm, stdin, stdout, None)
+    leader = _leader(llm)
+    try:
+        return _chat(args, llm, stdin, stdout, leader)
+    finally:
+        leader.close()
+
+
+def _chat(args, llm, stdin, stdout, leader) -> int:
     start = [{"role": "system", "content": args.system}] if args.system else []
     history = list(start)
     interactive = stdin.isatty()
@@ -267,7 +308,7 @@ def chat(args, stdin=None, stdout=None) -> int:
         except CliError as e:
             stdout.write(f"[{e}; /reset starts over]\n")
             continue
-        r = _stream(llm, ids, args.max_tokens, _sampling(args), stdout)
+        r = _stream(llm, ids, args.max_tokens, _sampling(args), stdout, leader and leader.run)
         stdout.write("\n")
         stdout.flush()
         reply = llm.tokenizer.decode(r.token_ids, skip_special_tokens=True)
@@ -296,7 +337,10 @@ def serve(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     llm = _load(args, lanes=args.parallel, width=args.width)
     llm.drafter_name = _drafter(args)
-    app = create_app(llm, **serve_options(args))
+    role = _role(args)
+    if role == "follower":  # no HTTP here: process 0 serves and broadcasts what its engine admits
+        return _follow(llm)
+    app = create_app(llm, **serve_options(args), lockstep=_leader(llm) if role == "leader" else None)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
@@ -336,12 +380,13 @@ def _known_errors() -> tuple[type[BaseException], ...]:
 
     from tfjax.checkpoint import CheckpointError
     from tfjax.config import ConfigError
+    from tfjax.engine.lockstep import Diverged
     from tfjax.gguf_import import GGUFImportError
     from tfjax.hub import ModelNotFound
     from tfjax.packaged import PackagedModelError
 
     return (CliError, ModelNotFound, CheckpointError, ConfigError, GGUFImportError, PackagedModelError,
-            SafetensorError, FileNotFoundError, ValueError)
+            SafetensorError, FileNotFoundError, ValueError, Diverged)
 
 
 def main(argv: list[str] | None = None) -> int:

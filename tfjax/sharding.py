@@ -50,7 +50,13 @@ def make_mesh(tp: int = 1, dp: int = 1, devices: list | None = None) -> Mesh:
     if tp * dp > len(devices):
         raise MeshError(f"tp={tp} x dp={dp} asks for {tp * dp} devices but {len(devices)} "
                         f"{jax.default_backend()} device(s) are present: lower --tp/--dp")
-    return Mesh(np.array(devices[: tp * dp]).reshape(dp, tp), (DATA, MODEL))
+    chosen = devices[: tp * dp]
+    processes = jax.process_count()
+    if processes > 1 and len({d.process_index for d in chosen}) < processes:  # a process without a device idles
+        raise MeshError(f"tp={tp} x dp={dp} uses devices of {len({d.process_index for d in chosen})} of the run's "
+                        f"{processes} processes; every process runs the same rounds, so the mesh must reach all of "
+                        f"them: ask for tp x dp = {len(devices)} ({len(devices) // processes} devices a process)")
+    return Mesh(np.array(chosen).reshape(dp, tp), (DATA, MODEL))
 
 
 def serving_mesh(tp: int | None, dp: int, lanes: int) -> Mesh | None:

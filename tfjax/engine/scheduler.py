@@ -45,6 +45,7 @@ class Request:
     # called just before on_tokens (same thread) with those tokens' logprobs and top alternatives, when asked
     on_logprobs: Callable[[list[float], list[list[tuple[int, float]]]], None] | None = None
     on_finish: Callable[[Any], None] | None = None  # gets the Result (then it is not kept in engine.results)
+    args: dict | None = None  # the LLM.request arguments it was made from: other processes rebuild it (lockstep)
     id: int = dataclasses.field(default_factory=itertools.count().__next__)
 
 

@@ -39,6 +39,23 @@ class GatedRMSNorm(nnx.Module):
         return ops.row_norm(x, self.weight[...], z, kind="gated", eps=self.eps, rows=rows)
 
 
+def gates(b_in: jax.Array, a: jax.Array, a_log: jax.Array, dt_bias: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """DeltaNet's decay g = -exp(A_log) * softplus(a + dt_bias) and write strength beta = sigmoid(b): [B, T, H] f32.
+
+    Under a mesh in fixed row tiles (`ops.rowwise`, each device its own lanes): XLA's elementwise exp takes another
+    code path on a handful of elements, so left to the partitioner a device's share of the lanes changed the bits."""
+    a_log, dt_bias = a_log.astype(jnp.float32), dt_bias.astype(jnp.float32)
+    a, b_in, h = a.astype(jnp.float32), b_in.astype(jnp.float32), a.shape[-1]
+    if ops.active_mesh() is None:  # one device: elementwise, as always
+        return -jnp.exp(a_log) * jax.nn.softplus(a + dt_bias), jax.nn.sigmoid(b_in)
+
+    def tile(ab: jax.Array) -> jax.Array:  # [rows, 2H]: a | b -> g | beta
+        return jnp.concatenate([-jnp.exp(a_log) * jax.nn.softplus(ab[:, :h] + dt_bias), jax.nn.sigmoid(ab[:, h:])], -1)
+
+    out = ops.rowwise(tile, jnp.concatenate([a, b_in], -1), True)
+    return out[..., :h], out[..., h:]
+
+
 class GatedDeltaNet(nnx.Module):
     """Qwen3.5 linear attention: causal conv (width K) over q|k|v, then the gated delta rule."""
 
@@ -84,9 +101,7 @@ class GatedDeltaNet(nnx.Module):
         b, t, _ = x.shape
         mixed, z, b_in, a = projections(self, x, mode.rows)  # mixed [B, T, C]
         z = z.reshape(b, t, c.linear_num_value_heads, -1)
-        beta = jax.nn.sigmoid(b_in.astype(jnp.float32))
-        a = a.astype(jnp.float32)
-        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias[...].astype(jnp.float32))
+        g, beta = gates(b_in, a, self.A_log[...], self.dt_bias[...])
         kernels = ops.active()
         if mode.rows and ops.delta_fused():  # two launches: conv (with the next tail), recurrence (with the norms)
             qkv, new_conv = ops.conv_silu_window(cache.conv, mixed, self.conv1d["weight"][...], valid)

@@ -4,7 +4,9 @@ Threads: one engine thread (`Worker`) owns the engine and is the only caller of 
 and `step`, so async handlers never wait on the engine's lock during a round. Handlers hand requests
 and cancellations to the worker's inbox; the engine's `on_tokens` / `on_finish` callbacks come back
 to the event loop through `call_soon_threadsafe`. A client that disconnects is cancelled before the
-next round, so its lane is free for the next request at once.
+next round, so its lane is free for the next request at once. In a multi-host run process 0's worker drives the
+engine through a `lockstep.Leader`, which broadcasts each step's submissions and cancellations to the other processes
+(`tfjax/engine/lockstep.py`); an idle one sends a heartbeat every `lockstep.HEARTBEAT_S`.
 
 The event loop never does work that grows with the request: bodies are bounded (`max_body_mb`, 413), large
 bodies are parsed, and every prompt rendered, length-checked and tokenized, in starlette's threadpool, so
@@ -43,7 +45,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from tfjax.engine import ContextLengthExceeded, Request, Result
+from tfjax.engine import ContextLengthExceeded, Request, Result, lockstep
 from tfjax.server import protocol
 from tfjax.server import tools as tooling
 from tfjax.server.errors import ApiError, error_body
@@ -58,8 +60,10 @@ PARSE_INLINE_BYTES = 1 << 16  # bodies up to this many bytes are parsed on the e
 class Worker:
     """The engine thread: takes submissions and cancellations from an inbox, steps while there is work."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, lockstep=None):
         self.engine = engine
+        self.lockstep = lockstep  # a multi-host run's `lockstep.Leader`: every submit, cancel and step goes through it
+        self.driver = lockstep or engine
         self.cv = threading.Condition()
         self.inbox: collections.deque[Request] = collections.deque()
         self.cancels: collections.deque[tuple[int, int]] = collections.deque()  # (request id, round asked)
@@ -120,24 +124,34 @@ class Worker:
         while True:
             with self.cv:
                 while not self.stopping and self._idle():
-                    self.cv.wait()
+                    if self.lockstep is None:
+                        self.cv.wait()
+                    elif not self.cv.wait(lockstep.HEARTBEAT_S):
+                        break  # idle a while: the other processes hear from us (below)
                 if self.stopping:
+                    if self.lockstep is not None:
+                        self.lockstep.close()
                     return
-                inbox, cancels = list(self.inbox), list(self.cancels)
-                self.inbox.clear()
-                self.cancels.clear()
+                idle = self.lockstep is not None and self._idle()
+                if not idle:
+                    inbox, cancels = list(self.inbox), list(self.cancels)
+                    self.inbox.clear()
+                    self.cancels.clear()
+            if idle:
+                self.lockstep.heartbeat()
+                continue
             for req in inbox:
                 try:
-                    self.engine.submit(req)
+                    self.driver.submit(req)
                 except Exception as e:  # checked before, so only a bug lands here; end the request, not the loop
                     log.exception("submit failed")
                     if req.on_finish is not None:
                         req.on_finish(Result(req.id, len(req.prompt), [], "error", 0, 0, repr(e)))
             for request_id, asked in cancels:
-                self.engine.cancel(request_id)
+                self.driver.cancel(request_id)
                 self.cancel_log.append((request_id, asked, self.engine.rounds))
             try:
-                self.engine.step()
+                self.driver.step()
             except Exception:  # the engine ends failing requests itself; this is the last guard of the thread
                 log.exception("engine step failed")
                 time.sleep(0.1)
@@ -252,13 +266,14 @@ class Server:
     """The app's state: the loaded model, the engine thread, the metrics, and the request handlers."""
 
     def __init__(self, llm, *, name: str, queue: int = 64, max_tokens: int = 256, drafts: bool = True,
-                 retry_after: int = 1, max_body_mb: float = MAX_BODY_MB, served_model_names: Sequence[str] = ()):
+                 retry_after: int = 1, max_body_mb: float = MAX_BODY_MB, served_model_names: Sequence[str] = (),
+                 lockstep: lockstep.Leader | None = None):
         self.llm, self.engine, self.tokenizer = llm, llm.engine, llm.tokenizer
         self.names = tuple(served_model_names) or (name,)
         self.name = self.names[0]
         self.queue_limit, self.max_tokens, self.drafts, self.retry_after = queue, max_tokens, drafts, retry_after
         self.max_body = int(max_body_mb * 2**20)
-        self.worker = Worker(self.engine)
+        self.worker = Worker(self.engine, lockstep)
         self.metrics = Metrics(self)
         self.created = protocol.now()
         self.template_knows_tools = "tools" in (getattr(self.tokenizer, "chat_template", None) or "")
@@ -635,13 +650,14 @@ async def _http_error(http: HttpRequest, e: HTTPException) -> JSONResponse:
 
 def create_app(llm, *, name: str = "tfjax", queue: int = 64, max_tokens: int = 256, drafts: bool = True,
                api_key: str | None = None, allowed_origins: Sequence[str] = (), max_body_mb: float = MAX_BODY_MB,
-               served_model_names: Sequence[str] = ()) -> Starlette:
+               served_model_names: Sequence[str] = (), lockstep: lockstep.Leader | None = None) -> Starlette:
     """The ASGI app for a loaded `tfjax.LLM`; its engine thread runs for the app's lifespan.
 
     `api_key` None reads TFJAX_API_KEY (unset or empty: no key); `served_model_names` are the names requests may
-    use (default: `name`); `allowed_origins` turns on CORS for those origins ("*" for any)."""
+    use (default: `name`); `allowed_origins` turns on CORS for those origins ("*" for any); `lockstep` (process 0 of
+    a multi-host run) broadcasts each engine step's submissions and cancellations to the other processes."""
     server = Server(llm, name=name, queue=queue, max_tokens=max_tokens, drafts=drafts, max_body_mb=max_body_mb,
-                    served_model_names=served_model_names)
+                    served_model_names=served_model_names, lockstep=lockstep)
     if api_key is None:
         api_key = os.environ.get("TFJAX_API_KEY")
 

@@ -384,6 +384,8 @@ def paged_attention(q: jax.Array, pages: KVPages, page_table: jax.Array, positio
         if active_mesh() is None:
             return pk.paged_rows_reference(q, pages, page_table, positions, valid=valid)
         return _paged_rows_per_head(q, pages, page_table, positions)
+    if not _gpu() and active_mesh() is None:  # a prompt chunk on the CPU: only the key tiles up to its last row
+        return pk.paged_prompt_reference(q, pages, page_table, positions)
     k, v = gather_pages(pages, page_table)
     if active_mesh() is not None:  # one q head (with its kv head) at a time: the same arithmetic at every degree
         rep = q.shape[2] // k.shape[2]

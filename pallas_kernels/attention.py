@@ -358,3 +358,51 @@ def paged_rows_reference(q: jax.Array, pages: KVPages, page_table: jax.Array, po
 
     rows = jnp.full((b,), t, jnp.int32) if valid is None else valid.astype(jnp.int32)
     return fenced.fenced_map(lane, (q, positions, table, rows), gpu=False)
+
+
+def paged_prompt_reference(q: jax.Array, pages: KVPages, page_table: jax.Array, positions: jax.Array, *,
+                           tile_pages: int = REFERENCE_TILE_PAGES) -> jax.Array:
+    """A prompt chunk's causal attention on the CPU, reading only the key tiles up to its last row.
+
+    q [B, T, H, E] at `positions` [B, T] (each lane's rows in order, the last the deepest) over the lane's pages. A
+    loop over key tiles of `tile_pages` pages from position 0 (an online softmax in float32, all T rows and the R
+    query heads of a KV head as one [R * T, E] block a step) runs to the tile holding the lane's last position, so
+    its cost follows the keys the chunk reaches, not the page table's width (a power-of-two bucket read up to twice
+    the keys). Its bits follow from q, the positions and the keys alone: the tiles are fixed by absolute position
+    and their count by the last position, never by the table's width, so a resumed prompt's call computes what a
+    fresh one's does. Dtypes as `attention_reference`: scores and the softmax in float32, products in q's dtype.
+    """
+    b, t, h, e = q.shape
+    n_pages, page, g, _ = pages.k.shape
+    r = h // g
+    width = page_table.shape[1]
+    table = jnp.pad(page_table, ((0, 0), (0, (-width) % tile_pages)))  # whole tiles; the padding is never reached
+    tile = tile_pages * page
+
+    def lane(xs):  # q [T, H, E], positions [T], table [n]
+        qb, pb, tb = xs
+        qg = qb.reshape(t, g, r, e).transpose(1, 2, 0, 3).reshape(g, r * t, e)  # a KV head's rows: head-major
+        row_pos = jnp.tile(pb, r)  # [R * T]
+        count = jnp.clip(pb[-1] // tile + 1, 1, table.shape[1] // tile_pages)
+
+        def step(i, carry):
+            m, l, acc = carry
+            ids = jnp.clip(jax.lax.dynamic_slice_in_dim(tb, i * tile_pages, tile_pages), 0, n_pages - 1)
+            k = pages.k[ids].reshape(tile, g, e).astype(q.dtype)  # [tile, G, E]
+            v = pages.v[ids].reshape(tile, g, e).astype(q.dtype)
+            s = jnp.einsum("gqe,sge->gqs", qg, k, preferred_element_type=jnp.float32) * (e**-0.5)
+            seen = i * tile + jnp.arange(tile)[None, :] <= row_pos[:, None]  # [R * T, tile]
+            s = jnp.where(seen[None], s, NEG)  # every row sees key 0 in tile 0, so exp(NEG - m) is an exact 0 after
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            alpha = jnp.exp(m - m_new)
+            p = jnp.exp(s - m_new[..., None])
+            pv = jnp.einsum("gqs,sge->gqe", p.astype(q.dtype), v, preferred_element_type=jnp.float32)
+            return m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + pv
+
+        init = (jnp.full((g, r * t), NEG, jnp.float32), jnp.zeros((g, r * t), jnp.float32),
+                jnp.zeros((g, r * t, e), jnp.float32))
+        _, l, acc = jax.lax.fori_loop(0, count, step, init)
+        out = (acc / l[..., None]).reshape(g, r, t, e).transpose(2, 0, 1, 3)  # [T, G, R, E]
+        return out.reshape(t, h, e).astype(q.dtype)
+
+    return jnp.stack([lane((q[i], positions[i], table[i])) for i in range(b)])  # B is 1 for a prompt chunk

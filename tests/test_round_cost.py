@@ -42,6 +42,16 @@ def test_one_request_in_a_four_lane_engine_equals_a_one_lane_engine(target):
 def test_prompt_chunks_are_padded_to_a_bucket_of_their_length_and_pages(target):
     runner = Engine(target, LaneConfig(capacity=1, width=5, context=1024), eos_ids=(), prefill_chunk=256).runner
     shapes = lambda n, resume=0: [(t.shape[1], s, v, p) for t, s, v, p in runner._chunks(np.arange(n), resume)]  # noqa: E731
+    # the reference prompt path (the CPU's): its attention reads only the key tiles its rows reach, so the lane's
+    # whole table (one program a row size), and a tail padded to a multiple of an eighth of the chunk at most
+    assert runner.prompt_reads_its_keys and {p for *_, p in shapes(1000)} == {64}
+    assert [t for t, *_ in shapes(300)] == [256, 64] and [t for t, *_ in shapes(256 + 130)] == [256, 160]
+    assert shapes(5)[0][0] == 16 and shapes(22)[0][0] == 32
+    runner.chunk = 64
+    assert [t for t, *_ in shapes(64 + 22)] == [64, 24] and shapes(5)[0][0] == 8 and shapes(40)[0][0] == 40
+    assert shapes(64 + 22, resume=64) == shapes(64 + 22)[1:]
+    runner.chunk = 256
+    runner.prompt_reads_its_keys = runner.reference_prompt = False  # a kernel's: powers of two of rows and pages
     assert shapes(22) == [(32, 0, 22, 2)]
     assert shapes(5) == [(16, 0, 5, 1)]
     assert shapes(300) == [(256, 0, 256, 16), (64, 256, 44, 32)]
@@ -52,6 +62,27 @@ def test_prompt_chunks_are_padded_to_a_bucket_of_their_length_and_pages(target):
 def _pages(rng, n_pages, page=16, g=2, e=32):
     return pk.KVPages(jnp.asarray(rng.standard_normal((n_pages, page, g, e)), jnp.float32),
                       jnp.asarray(rng.standard_normal((n_pages, page, g, e)), jnp.float32))
+
+
+def test_prompt_attention_reads_only_the_key_tiles_up_to_its_last_row_whatever_the_table_width():
+    """A prompt chunk's CPU attention (a chunk of 20 rows at 45..64, 4-page tiles of 64 keys): every page past the
+    tile holding the last row's key is NaN and never read; a table cut after that tile and one twice as wide give
+    the same bits; the values match the gathered reference."""
+    rng = np.random.default_rng(3)
+    pages = _pages(rng, 24)
+    table = jnp.asarray(rng.permutation(16)[None, :12], jnp.int32)  # 12 pages of the first 16
+    pages = pk.KVPages(pages.k.at[16:].set(jnp.nan), pages.v.at[16:].set(jnp.nan))
+    far = table.at[:, 8:].set(jnp.arange(16, 20, dtype=jnp.int32))  # pages past tile 1 (keys >= 128) hold NaN
+    q = jnp.asarray(rng.standard_normal((1, 20, 6, 32)), jnp.float32)
+    pos = jnp.arange(45, 65, dtype=jnp.int32)[None]  # the last row at 64: tile 1, keys 64..127
+    out = np.asarray(pk.paged_prompt_reference(q, pages, table, pos))
+    assert np.isfinite(out).all()
+    assert np.array_equal(np.asarray(pk.paged_prompt_reference(q, pages, far, pos)), out)
+    assert np.array_equal(np.asarray(pk.paged_prompt_reference(q, pages, table[:, :8], pos)), out)
+    wide = jnp.concatenate([table, jnp.full((1, 12), 17, jnp.int32)], axis=1)
+    assert np.array_equal(np.asarray(pk.paged_prompt_reference(q, pages, wide, pos)), out)
+    k, v = pk.gather_pages(pages, table[:, :8])
+    np.testing.assert_allclose(out, np.asarray(pk.attention_reference(q, k, v, pos)), atol=2e-6)
 
 
 def test_row_attention_reads_only_its_keys_and_never_depends_on_the_table_width_or_other_lanes():

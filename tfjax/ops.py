@@ -370,8 +370,9 @@ def paged_attention(q: jax.Array, pages: KVPages, page_table: jax.Array, positio
 
     With kernels, a prompt chunk gathers the lane's keys and takes the causal flash kernel (6-10x the paged kernel
     on the H200); lane-round rows (decode, verify) take the row-invariant Mosaic GPU paged kernel, or the Triton one
-    for dtypes and page sizes it lacks (f32, tests); head dims no kernel takes fall back to the reference. Under a
-    mesh the kernel runs on each device's own heads (`_kernel_per_shard`). `valid` [B]: each lane's real rows (the
+    for dtypes and page sizes it lacks (f32, tests); head dims no kernel takes fall back to the reference. A prompt
+    chunk's reference (the CPU's) walks key tiles up to its last row (`paged_prompt_reference`), so it reads the keys
+    the chunk reaches whatever the table's width; a mesh's gathers them, one head at a time. Under a mesh the kernel runs on each device's own heads (`_kernel_per_shard`). `valid` [B]: each lane's real rows (the
     first ones); the CPU's lane-round rows skip the others (zeros), the kernels compute them and nobody reads them.
     """
     if _gpu() and (kernel := _attention_kernel(q, pages, page_table, rows)) is not None:
@@ -380,6 +381,8 @@ def paged_attention(q: jax.Array, pages: KVPages, page_table: jax.Array, positio
         if active_mesh() is None:
             return pk.paged_rows_reference(q, pages, page_table, positions, valid=valid)
         return _paged_rows_per_head(q, pages, page_table, positions)
+    if not rows and active_mesh() is None:  # a prompt chunk no kernel takes: only the key tiles up to its last row
+        return pk.paged_prompt_reference(q, pages, page_table, positions)
     k, v = gather_pages(pages, page_table)
     if active_mesh() is not None:  # one q head (with its kv head) at a time: the same arithmetic at every degree
         rep = q.shape[2] // k.shape[2]

@@ -528,12 +528,12 @@ def test_deltanet_kernel_runs_on_each_devices_own_heads(monkeypatch):
             assert "all-gather" not in hlo and "all-reduce" not in hlo and "all-to-all" not in hlo, tp
 
 
-@pytest.mark.slow  # ~45 s: interpret mode at TP=1, 2, 4
-def test_moe_kernel_runs_on_each_devices_own_experts(monkeypatch):
-    """The GPU path's grouped MoE kernels (interpreted here) inside `shard_map` with the expert stacks split by expert:
-    each device's kernel call sees only its own experts, and TP=1, 2, 4 equal the unsharded kernel bit for bit (prompt
-    rows). (Lane-round rows take the K-split kernels over whole stacks under a mesh: per shard, their slot outputs
-    matched but the combined rows did not, by an ulp.)"""
+@pytest.mark.slow  # ~10 s a case: interpret mode at TP=1, 2, 4
+@pytest.mark.parametrize("rows", [False, True], ids=["prompt", "lane_round"])
+def test_moe_kernel_runs_on_each_devices_own_experts(monkeypatch, rows):
+    """The GPU path's MoE kernels (interpreted here; prompts: the grouped GEMM, lane rounds: the K-split kernels)
+    inside `shard_map` with the expert stacks split by expert: each device's kernel call sees only its own experts,
+    and TP=1, 2, 4 equal the unsharded kernel bit for bit."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -558,7 +558,7 @@ def test_moe_kernel_runs_on_each_devices_own_experts(monkeypatch):
     x = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
     def run(x, idx, weights, gate, up, down, mesh=None):
         with ops.using(ops.PALLAS), ops.using_mesh(mesh):
-            return ops.experts(x, idx, weights, gate, up, down, bits=bits, group_size=group, rows=False)
+            return ops.experts(x, idx, weights, gate, up, down, bits=bits, group_size=group, rows=rows)
 
     want = jax.jit(run)(x, idx, weights, gate, up, down)
     assert calls == [e]

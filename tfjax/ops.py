@@ -664,17 +664,20 @@ def experts(x: jax.Array, idx: jax.Array, weights: jax.Array, gate: tuple, up: t
     kernels and prompts the grouped GEMM; elsewhere the reference one row a loop iteration (row-invariant)."""
     d, i = x.shape[-1], gate[0].shape[1]
     if _gpu() and bits is not None and all(len(s) == 3 for s in (gate, up, down)):
+        mesh = active_mesh()
+        per_shard = _sharded(mesh) and gate[0].shape[0] % mesh.shape[MODEL_AXIS] == 0
         rows_bs = moe.RowsBlockSizes.for_shapes(d, i, group_size, bits)
-        if rows and moe.rows_problem(d, i, bits, group_size, rows_bs) is None:
-            # whole stacks on every device under a mesh (per shard, its slots' weight multiply and their sum
-            # rounded differently once split by the gather: not exact yet)
-            return moe.moe(x, idx, weights, gate, up, down, bits=bits, group_size=group_size, block_sizes=rows_bs,
-                           rows=True)
+        if rows and moe.rows_problem(d, i, bits, group_size, rows_bs) is None:  # lane rounds: the K-split kernels
+            kernel = functools.partial(moe.moe, bits=bits, group_size=group_size, block_sizes=rows_bs, rows=True)
+            # per shard only where the down kernel weighs its slots itself (one K slice): otherwise the one-device
+            # program's weight multiply fuses with the slot sum and rounds differently, so whole stacks everywhere
+            if per_shard and rows_bs.split_down == 1:
+                return _experts_per_shard(kernel, x, idx, weights, gate, up, down)
+            return kernel(x, idx, weights, gate, up, down)
         bs = moe.BlockSizes.for_shapes(d, i, group_size)
         if d % bs.block_n == 0 and i % bs.block_n == 0 and d % bs.block_k == 0 and i % bs.block_k == 0:
             kernel = functools.partial(moe.moe, bits=bits, group_size=group_size, block_sizes=bs)
-            mesh = active_mesh()
-            if _sharded(mesh) and gate[0].shape[0] % mesh.shape[MODEL_AXIS] == 0:
+            if per_shard:
                 return _experts_per_shard(kernel, x, idx, weights, gate, up, down)
             return kernel(x, idx, weights, gate, up, down)
     # one row a loop iteration: a tile of padding rows would gather and dequantize k experts each for nothing

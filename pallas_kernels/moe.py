@@ -352,7 +352,7 @@ def _rows_gate_up_kernel(pair_ref, tile_ref, x_ref, gw, gs, gb, uw, us, ub, g_re
 
 def _rows_down_kernel(pair_ref, tile_ref, h_ref, w_ref, dw, ds_, db, y_ref, *, bits, group_size, block_n, block_k,
                       tiles, weigh):
-    # grid (T, D / bn, S); h_ref [P, I] fields first (a pair's silu(gate) * up); w_ref [P + 1] f32 the pairs' routing
+    # grid (T, D / bn, S); h_ref [P, I] fields first (a pair's silu(gate) * up); w_ref [P] f32 the pairs' routing
     # weights; y_ref whole [S, P + 1, D] f32. `weigh` (S = 1): the stored slot is the pair's output rounded to h's dtype
     # times its weight, so no XLA program holds that multiply beside `combine`'s sum (where it became an FMA in one
     # program and not in another: experts split over devices were an ulp off)
@@ -433,7 +433,7 @@ def _moe_rows(x, idx, weights, gate, up, down, *, bits, group_size, bs: RowsBloc
         name="moe_rows_gate_up",
     )(pair_row, tile_expert, fields_first(x, bs.block_k, bits), *gate, *up)
     h = fields_first(silu_mul(_sum_slices(g[:, :p]), _sum_slices(u[:, :p]), x.dtype), bs.block_k, bits)  # [P, I]
-    w = jnp.concatenate([weights.reshape(p).astype(jnp.float32), jnp.zeros((1,), jnp.float32)])
+    w = weights.reshape(p).astype(jnp.float32)
     y = pl.pallas_call(
         functools.partial(_rows_down_kernel, tiles=i // bs.block_k // s2, weigh=s2 == 1, **kw),
         grid=(tiles, d // bn, s2),
@@ -447,7 +447,7 @@ def _moe_rows(x, idx, weights, gate, up, down, *, bits, group_size, bs: RowsBloc
     if s2 == 1:
         y = y[0, :p]  # weighted in the kernel
     else:  # K slices: summed, rounded and weighted here (experts split over devices are then not exact)
-        y = _sum_slices(y[:, :p]).astype(x.dtype).astype(jnp.float32) * w[:p, None]
+        y = _sum_slices(y[:, :p]).astype(x.dtype).astype(jnp.float32) * w[:, None]
     return y.reshape(n, k, d)  # the weighted slots; `moe` combines them
 
 

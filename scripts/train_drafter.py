@@ -227,7 +227,7 @@ def main():
         if time.monotonic() - t_eval >= args.eval_every:
             evaluate(i)
             last, t_eval = i, time.monotonic()
-    if i == start:
+    if i == start < args.steps:  # (a resumed run already at --steps has nothing left to train)
         raise SystemExit(f"no training step fit in --time-budget {budget:.0f} s: the data and the first evaluation took "
                          f"{time.monotonic() - t0:.0f} s (its compiles {best['eval_s']:.0f} s). Raise --time-budget; "
                          f"{out / 'data.npz'} is kept, so a rerun with the same --out trains at once.")

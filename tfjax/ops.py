@@ -663,10 +663,10 @@ def experts(x: jax.Array, idx: jax.Array, weights: jax.Array, gate: tuple, up: t
     kernels (`pallas_kernels.moe`) for quantized stacks they serve, lane-round `rows` (decode, verify) the K-split
     kernels and prompts the grouped GEMM; elsewhere the reference one row a loop iteration (row-invariant)."""
     d, i = x.shape[-1], gate[0].shape[1]
+    mesh = active_mesh()
     if _gpu() and bits is not None and all(len(s) == 3 for s in (gate, up, down)):
-        mesh = active_mesh()
         per_shard = _sharded(mesh) and gate[0].shape[0] % mesh.shape[MODEL_AXIS] == 0
-        rows_bs = moe.RowsBlockSizes.for_shapes(d, i, group_size, bits)
+        rows_bs = moe.RowsBlockSizes.for_shapes(d, i, group_size, bits) if rows else None
         if rows and moe.rows_problem(d, i, bits, group_size, rows_bs) is None:  # lane rounds: the K-split kernels
             kernel = functools.partial(moe.moe, bits=bits, group_size=group_size, block_sizes=rows_bs, rows=True)
             # per shard only where the down kernel weighs its slots itself (one K slice): otherwise the one-device
@@ -686,7 +686,6 @@ def experts(x: jax.Array, idx: jax.Array, weights: jax.Array, gate: tuple, up: t
                                       group_size=group_size)
         return fenced_map(lambda t: one(t)[0], (x, idx, weights))
 
-    mesh = active_mesh()
     if not (_sharded(mesh) and _lanes(x) and _lanes(idx)):
         return rowwise_experts(x, idx, weights, gate, up, down)
     # rows split by lanes over `data`, manual: each device loops over its own rows (left to XLA's partitioner, the

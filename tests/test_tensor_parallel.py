@@ -528,6 +528,112 @@ def test_deltanet_kernel_runs_on_each_devices_own_heads(monkeypatch):
             assert "all-gather" not in hlo and "all-reduce" not in hlo and "all-to-all" not in hlo, tp
 
 
+@pytest.mark.parametrize("mode", ["prompt", "rows"])  # ~2-4 s each: compiled, never run
+def test_deltanet_layer_runs_on_each_devices_own_heads_and_channels(mode):
+    """A DeltaNet layer at TP=2 (the CPU reference path): the conv runs on each device's own channels (no all-gather
+    of its taps or conv1d weight), the cache comes back with each device holding half the conv tail's channels and
+    half the recurrent state's value heads, and the one DeltaNet-sized all-gather is the conv output's channels
+    (head-aligned q, k, v need them whole), beside the two row-parallel products' partials."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from tfjax import models, sharding
+    from tfjax.models.layers import PROMPT, ROWS
+
+    config = _config("tiny_dense").replace(num_hidden_layers=1, layer_types=("linear_attention",))
+    mesh = sharding.make_mesh(2)
+    m = nnx.eval_shape(lambda: models.build(config))  # abstract: compiled, never run
+    sharding.plan(m, mesh)
+    graphdef, state = nnx.split(m)
+    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state,
+                          sharding.shardings(m, mesh))
+    cache = jax.eval_shape(lambda: m.init_cache(1, 64))
+    cache = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)), cache,
+                         sharding.cache_specs(cache, mesh))
+    c, hv = config.linear_conv_dim, config.linear_num_value_heads
+    t = 16 if mode == "prompt" else 4
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=NamedSharding(mesh, P()))  # noqa: E731
+    fwd = jax.jit(lambda params, *a: nnx.merge(graphdef, params)(*a, PROMPT if mode == "prompt" else ROWS))
+    args = (params, i32(1, t), i32(1), i32(1), cache)
+    compiled = fwd.lower(*args).compile()
+    new = jax.eval_shape(fwd, *args)[1].layers[0]
+    placed = compiled.output_shardings[1].layers[0]
+    conv, state = placed.conv, placed.state
+    assert conv.shard_shape(new.conv.shape) == (1, config.linear_conv_kernel_dim - 1, c // 2)
+    assert state.shard_shape(new.state.shape)[1] == hv // 2
+    gathers = re.findall(r"= (\w+\[[\d,]*\])\S* all-gather(?:-start)?\(", compiled.as_text())
+    assert f"f32[{c},{config.linear_conv_kernel_dim}]" not in gathers, gathers  # the conv1d weight
+    # besides the row-parallel partials [8 parts, ...] and the logits (gathered whole for sampling)
+    big = sorted(g for g in gathers if not g.startswith("f32[8,") and not g.endswith(f",{config.vocab_size}]"))
+    assert big == [f"f32[1,{t},{c}]"], big
+
+
+@pytest.mark.slow  # interpret mode at TP=1, 2, 4
+def test_deltanet_conv_chunked_and_norm_kernels_run_on_each_devices_own_channels_and_heads(monkeypatch):
+    """The GPU path's other DeltaNet kernels (interpreted here) inside `shard_map`: the fused conv on each device's own
+    channels (tail, rows and weight split, programs of a channel block fixed by C), the chunked prompt kernel and the
+    gated norm on its own value heads; no collective, and TP=2, 4 equal TP=1 bit for bit (the chunked kernel and the
+    norm also the unsharded call: one head, one row a program)."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from pallas_kernels import causal_conv as cc
+    from pallas_kernels import gated_delta_chunked as gdc
+    from pallas_kernels import row_norm as rn
+    from tests.helpers import spy_interpreted
+    from tfjax import ops, sharding
+
+    convs = spy_interpreted(monkeypatch, cc, "conv_silu_window", lambda a, kw: a[1].shape[-1])
+    chunks = spy_interpreted(monkeypatch, gdc, "chunked", lambda a, kw: a[0].shape[1])
+    norms = spy_interpreted(monkeypatch, rn, "row_norm", lambda a, kw: a[0].shape[0])
+    rng = np.random.default_rng(15)
+    b, t, k, c, hv, dk, dv = 2, 3, 4, 128, 8, 16, 16
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    tail, rows, weight, count = normal(b, k - 1, c), normal(b, t, c), normal(c, k) * 0.5, jnp.asarray([3, 1])
+    state, q, kk, v, x, z = (normal(b, hv, dk, dv) * 0.1, normal(b, 16, hv, dk) * 0.2, normal(b, 16, hv, dk) * 0.2,
+                             normal(b, 16, hv, dv), normal(b, t, hv, dv), normal(b, t, hv, dv))
+    g, beta = jnp.asarray(-rng.uniform(0.01, 1, (b, 16, hv)), jnp.float32), jnp.asarray(rng.uniform(0, 1, (b, 16, hv)),
+                                                                                        jnp.float32)
+    norm_w = normal(dv)
+
+    def run(tail, rows, weight, count, state, q, kk, v, g, beta, x, z, mesh=None):
+        with ops.using(dataclasses.replace(ops.PALLAS, delta_chunked=True)), ops.using_mesh(mesh):
+            return (*ops.conv_silu_window(tail, rows, weight, count), *ops.chunked(state, q, kk, v, g, beta, chunk=16),
+                    ops.row_norm(x, norm_w, z, kind="gated", eps=1e-6, rows=True, heads=2))
+
+    args = (tail, rows, weight, count, state, q, kk, v, g, beta, x, z)
+    unsharded = jax.jit(run)(*args)
+    specs = (P(None, None, "model"), P(None, None, "model"), P("model"), P(), P(None, "model"),
+             *[P(None, None, "model")] * 5, P(None, None, "model"), P(None, None, "model"))
+    want = None
+    for tp in (1, 2, 4):
+        mesh = sharding.make_mesh(tp)
+        placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs, strict=True)]
+        convs.clear(), chunks.clear(), norms.clear()
+        fn = jax.jit(lambda *a: run(*a, mesh=mesh))  # noqa: B023
+        got = fn(*placed)
+        want = got if want is None else want
+        for name, x_, y, u in zip(("conv", "tail", "state", "out", "norm"), got, want, unsharded, strict=True):
+            np.testing.assert_array_equal(x_, y, err_msg=f"{tp=} {name}")
+            if name in ("state", "out", "norm"):
+                np.testing.assert_array_equal(x_, u, err_msg=f"{tp=} {name} unsharded")
+        # the last call of each is the kernel's own (`heads_per_shard` asks the outputs' shapes at the whole shapes first)
+        assert (convs[-1], chunks[-1], norms[-1]) == (c // tp, hv // tp, b * t * hv // tp), (tp, convs, chunks, norms)
+        if tp > 1:
+            hlo = fn.lower(*placed).compile().as_text()
+            assert "all-gather" not in hlo and "all-reduce" not in hlo and "all-to-all" not in hlo, tp
+
+
 @pytest.mark.slow  # ~10 s a case: interpret mode at TP=1, 2, 4
 @pytest.mark.parametrize("rows", [False, True], ids=["prompt", "lane_round"])
 def test_moe_kernel_runs_on_each_devices_own_experts(monkeypatch, rows):

@@ -33,6 +33,7 @@ from pallas_kernels import qmatmul as qk
 from pallas_kernels import row_norm as rn
 from pallas_kernels.attention import KVPages, gather_pages  # noqa: F401  (the models' cache pages)
 
+MAX_TP = 8  # the largest degree served (`tfjax.sharding`): fixed blocks and partials are counted from it
 KERNEL_MAX_ROWS = 64  # prompt rows up to which an MLX-layout 4-bit product takes the kernel (XLA's dot beyond)
 
 
@@ -157,16 +158,38 @@ def row_tiled(fn, x: jax.Array, tile: int | None = None) -> jax.Array:
     return fenced.row_tiled(fn, x, gpu=_gpu(), tile=tile)
 
 
-def rowwise(fn, x: jax.Array, rows: bool) -> jax.Array:
+def rowwise(fn, x: jax.Array, rows: bool, heads: int | None = None) -> jax.Array:
     """fn over the last axis; with `rows` or under a mesh, in fixed row tiles (reductions never see M, nor how many
-    heads a device holds: under a mesh the rows are gathered whole first, so XLA's partitioner never splits a tile)."""
+    heads a device holds). Under a mesh, with `heads` (the axis of x's heads, split over `model` where the degree
+    divides them) each device tiles only its own heads' rows inside `shard_map` (no collective); else the rows are
+    gathered whole first, so XLA's partitioner never splits a tile."""
     mesh = active_mesh()
     tiled = lambda x: fenced.rowwise(fn, x, rows or mesh is not None, gpu=_gpu())  # noqa: E731
-    return tiled(x) if mesh is None else whole(tiled, x, lanes=True)
+    if mesh is None:
+        return tiled(x)
+    if heads is not None and _splits(x.shape[heads]):
+        return heads_per_shard(lambda x: (tiled(x),), [x], [heads], [heads])[0]
+    return whole(tiled, x, lanes=True)
 
 
 def _sharded(mesh) -> bool:
     return mesh is not None and mesh.size > 1
+
+
+def _splits(n: int) -> bool:
+    """Whether n heads (or fixed blocks) split over the active mesh's `model` axis: a mesh of several devices whose
+    degree divides n."""
+    mesh = active_mesh()
+    return _sharded(mesh) and n % mesh.shape[MODEL_AXIS] == 0
+
+
+def fixed_blocks(n: int) -> int:
+    """The count of fixed blocks n is cut into whatever the degree: `MAX_TP`, halved until it divides n (every degree
+    that divides n divides it too)."""
+    p = MAX_TP
+    while p > 1 and n % p:
+        p //= 2
+    return p
 
 
 def _spec(nd: int, axis: int | None, lanes: int | None = None) -> jax.sharding.PartitionSpec:
@@ -197,13 +220,32 @@ def whole(fn, *args, lanes: bool = False):
     return _shard_map(fn, mesh, jax.tree.map(spec, args), jax.tree.map(spec, out))(*args)
 
 
+def heads_per_shard(fn, args: list, axes: list, out_axes: list, lanes: list | None = None,
+                    out_ndim: list | None = None) -> tuple:
+    """fn(*args) -> a tuple of arrays, on each device's own heads inside `shard_map` (no collective): each arg split
+    over `model` at `axes[i]` (None: whole), each output at `out_axes[i]`; over its own lanes too (the leading axis
+    of the args `lanes` marks, default all) where `lanes_over_data` splits them; `out_ndim`: the outputs' ranks, for
+    fn that only traces inside `shard_map` (a collective). fn itself where no mesh splits.
+    For fn whose arithmetic for a head never depends on how many heads share the call (a loop over heads, a kernel
+    with one head a program, fixed row tiles), so TP=N computes what TP=1 does."""
+    mesh = active_mesh()
+    if not _sharded(mesh):
+        return fn(*args)
+    lanes = [True] * len(args) if lanes is None else lanes
+    out_nd = out_ndim or [o.ndim for o in jax.eval_shape(fn, *args)]
+    ln = 0 if all(_lanes(a) for a, is_lane in zip(args, lanes, strict=True) if is_lane) else None
+    in_specs = tuple(_spec(a.ndim, ax, ln if is_lane else None) for a, ax, is_lane in zip(args, axes, lanes,
+                                                                                           strict=True))
+    return _shard_map(fn, mesh, in_specs, tuple(_spec(n, ax, ln) for n, ax in zip(out_nd, out_axes, strict=True)))(
+        *args)
+
+
 def per_head(fn, args: list, axes: list, out_axes: list):
     """fn over one head at a time (each arg with a size-1 head axis at `axes[i]`; None: passed whole), a fenced loop
     whose iteration is the same whatever the head count, so a head's arithmetic never depends on how many heads a
     device holds (XLA's reductions round differently at other shapes). Under a mesh each device loops over its own
     heads inside `shard_map` (no collective), and over its own lanes (every arg's leading axis) where
-    `lanes_over_data` splits them. Returns fn's outputs with their head axes at `out_axes`."""
-    mesh = active_mesh()
+    `lanes_over_data` splits them (`heads_per_shard`). Returns fn's outputs with their head axes at `out_axes`."""
     headed = [i for i, ax in enumerate(axes) if ax is not None]
 
     def local(*xs):
@@ -217,25 +259,19 @@ def per_head(fn, args: list, axes: list, out_axes: list):
 
         return tuple(jnp.moveaxis(o, 0, ax) for o, ax in zip(fenced_map(one, stacked), out_axes, strict=True))
 
-    if not _sharded(mesh):
-        return local(*args)
-    out_nd = [a.ndim for a in jax.eval_shape(fn, *[jax.ShapeDtypeStruct(
-        tuple(1 if i == ax else d for i, d in enumerate(a.shape)), a.dtype) if ax is not None else a
-        for a, ax in zip(args, axes, strict=True)])]
-    ln = 0 if all(_lanes(a) for a in args) else None
-    return _shard_map(local, mesh, tuple(_spec(a.ndim, ax, ln) for a, ax in zip(args, axes, strict=True)),
-                      tuple(_spec(n, ax, ln) for n, ax in zip(out_nd, out_axes, strict=True)))(*args)
+    return heads_per_shard(local, args, axes, out_axes)
 
 
 # --- norms and conv ---
 
 
 def row_norm(x: jax.Array, weight: jax.Array | None = None, z: jax.Array | None = None, *, kind: str, eps: float,
-             rows: bool = False) -> jax.Array:
+             rows: bool = False, heads: int | None = None) -> jax.Array:
     """RMSNorm / gated RMSNorm / L2 norm over the last axis (`pallas_kernels.row_norm` names the kinds).
 
     Lane-round rows take the one-row-per-program kernel (row-invariant, one launch); elsewhere the reference, in
-    fixed row tiles when `rows` (a gate rides beside its row so one loop does both)."""
+    fixed row tiles when `rows` (a gate rides beside its row so one loop does both). `heads`: the axis of x's (and
+    z's) heads; under a mesh each device normalises its own heads' rows (`rowwise`), no collective."""
     d = x.shape[-1]
     if rows and _gpu():
         flat = (lambda a: None if a is None else a.reshape(-1, d))
@@ -243,11 +279,14 @@ def row_norm(x: jax.Array, weight: jax.Array | None = None, z: jax.Array | None 
         if active_mesh() is None:
             return kernel(x, z)
         # inside `shard_map`: each device its own lanes (one row a program, so a row's bits never depend on its company)
-        return whole(kernel, x, lanes=True) if z is None else whole(kernel, x, z, lanes=True)
+        xs = [x] if z is None else [x, z]
+        if heads is not None and _splits(x.shape[heads]):  # and its own heads
+            return heads_per_shard(lambda *a: (kernel(*a),), xs, [heads] * len(xs), [heads])[0]
+        return whole(kernel, *xs, lanes=True)
     if z is None:
-        return rowwise(lambda r: rn.reference(r, weight, kind=kind, eps=eps), x, rows)
+        return rowwise(lambda r: rn.reference(r, weight, kind=kind, eps=eps), x, rows, heads)
     xz = jnp.concatenate([x, z.astype(x.dtype)], axis=-1)
-    return rowwise(lambda r: rn.reference(r[..., :d], weight, r[..., d:], kind=kind, eps=eps), xz, rows)
+    return rowwise(lambda r: rn.reference(r[..., :d], weight, r[..., d:], kind=kind, eps=eps), xz, rows, heads)
 
 
 def add_norm(x: jax.Array, parts: jax.Array, weight: jax.Array, *, kind: str, eps: float,
@@ -261,9 +300,28 @@ def add_norm(x: jax.Array, parts: jax.Array, weight: jax.Array, *, kind: str, ep
 
 def conv_silu(taps: jax.Array, weight: jax.Array, *, rows: bool = False) -> jax.Array:
     """DeltaNet's depthwise causal conv + silu: taps [..., K, C], weight [C, K] -> [..., C]; the reference, in fixed
-    row tiles when `rows` (with kernels, lane-round rows take `conv_silu_window` instead: `delta_fused`)."""
+    row tiles when `rows` (with kernels, lane-round rows take `conv_silu_window` instead: `delta_fused`).
+
+    Under a mesh, in `fixed_blocks(C)` channel blocks, one loop iteration each (row tiles inside), every device its
+    own blocks (the channels of its in_proj_qkv columns and conv1d rows, split over `model`; no collective): a
+    channel's arithmetic is the same block-shaped iteration at every degree."""
     *lead, k, c = taps.shape
-    return rowwise(lambda r: cc.reference(r.reshape(*r.shape[:-1], k, c), weight), taps.reshape(*lead, k * c), rows)
+    if active_mesh() is None:
+        return rowwise(lambda r: cc.reference(r.reshape(*r.shape[:-1], k, c), weight), taps.reshape(*lead, k * c),
+                       rows)
+    nb = fixed_blocks(c)
+
+    def local(taps, weight):  # taps [..., K, C/tp], weight [C/tp, K] -> [..., C/tp]
+        n, cb = nb * taps.shape[-1] // c, c // nb
+        tb = jnp.moveaxis(taps.reshape(*taps.shape[:-1], n, cb), -2, 0)  # [n, ..., K, cb]
+        out = fenced_map(lambda a: fenced.rowwise(lambda r: cc.reference(r.reshape(*r.shape[:-1], k, cb), a[1]),
+                                                  a[0].reshape(*a[0].shape[:-2], k * cb), True, gpu=_gpu()),
+                         (tb, weight.reshape(n, cb, k)))  # [n, ..., cb]
+        return (jnp.moveaxis(out, 0, -2).reshape(*taps.shape[:-2], n * cb),)
+
+    if not _splits(nb):  # every block on every device (the same iterations)
+        return heads_per_shard(local, [taps, weight], [None, None], [None], [True, False])[0]
+    return heads_per_shard(local, [taps, weight], [taps.ndim - 1, 0], [taps.ndim - 2], [True, False])[0]
 
 
 # --- Gated DeltaNet ---
@@ -277,14 +335,52 @@ def delta_fused() -> bool:
 
 
 def conv_silu_window(tail: jax.Array, rows: jax.Array, weight: jax.Array, count: jax.Array):
-    """The fused conv of lane-round rows [B, T, C] after the tail [B, K-1, C]: (conv out [B, T, C], the next tail)."""
-    return cc.conv_silu_window(tail, rows, weight, count)
+    """The fused conv of lane-round rows [B, T, C] after the tail [B, K-1, C]: (conv out [B, T, C], the next tail).
+
+    Under a mesh each device runs the kernel on its own channels (tail, rows and weight split over `model`, no
+    collective), in programs of a channel block fixed by C (a divisor of its `fixed_blocks`), so a channel's program
+    is the same at every degree."""
+    if active_mesh() is None:
+        return cc.conv_silu_window(tail, rows, weight, count)
+    c = rows.shape[-1]
+    bs = cc.BlockSizes(channels=math.gcd(cc.BlockSizes.channels, c // fixed_blocks(c)))
+    kernel = lambda *a: cc.conv_silu_window(*a, block_sizes=bs)  # noqa: E731
+    split = 2 if _splits(fixed_blocks(c)) else None
+    return heads_per_shard(kernel, [tail, rows, weight, count], [split, split, None if split is None else 0, None],
+                           [split, split],
+                           [True, True, False, True])
 
 
 def split_qkv(qkv: jax.Array, key_heads: int, dk: int, hv: int, *, rows: bool = False, eps: float = 1e-6):
-    """The recurrent step's q, k, v from the conv output (`gated_delta.split_qkv`), norms through `row_norm`."""
-    return gdk.split_qkv(qkv, key_heads, dk, hv, eps=eps,
-                         l2_norm=lambda a, eps: row_norm(a, kind="l2", eps=eps, rows=rows))
+    """The recurrent step's q, k, v [B, T, Hv, D] from the conv output (`gated_delta.split_qkv`), norms through
+    `row_norm`.
+
+    Under a mesh each device builds only its own value heads' q, k, v inside `shard_map` (split over `model`): one
+    all-gather brings the conv output's channels whole (its column shards are not head-aligned), then it takes its
+    heads' columns, each value head its key head's q and k (normalised after the repeat: one row each, in fixed row
+    tiles, so a row's bits never depend on how many heads a device holds)."""
+    mesh = active_mesh()
+    if mesh is None:
+        return gdk.split_qkv(qkv, key_heads, dk, hv, eps=eps,
+                             l2_norm=lambda a, eps: row_norm(a, kind="l2", eps=eps, rows=rows))
+    b, t, c = qkv.shape
+    kd, rep = key_heads * dk, hv // key_heads
+    tp = mesh.shape[MODEL_AXIS] if _splits(hv) and _splits(c) else 1
+    norm = lambda a: fenced.rowwise(lambda r: rn.reference(r, kind="l2", eps=eps), a, True, gpu=_gpu())  # noqa: E731
+
+    def local(qkv):  # qkv [B', T, C/tp] -> q, k [B', T, Hv/tp, Dk], v [B', T, Hv/tp, Dv]: this device's value heads
+        if tp > 1:
+            qkv = jax.lax.all_gather(qkv, MODEL_AXIS, axis=2, tiled=True)  # the one collective
+        first = jax.lax.axis_index(MODEL_AXIS) * (hv // tp) if tp > 1 else 0
+        heads = first + jnp.arange(hv // tp)
+        lb = qkv.shape[0]
+        q, k = (jnp.take(qkv[..., i * kd:(i + 1) * kd].reshape(lb, t, key_heads, dk), heads // rep, axis=2)
+                .astype(jnp.float32) for i in (0, 1))
+        v = jax.lax.dynamic_slice_in_dim(qkv[..., 2 * kd:].reshape(lb, t, hv, -1), first, hv // tp, axis=2)
+        return norm(q) * (dk**-0.5), norm(k), v.astype(jnp.float32)
+
+    split = 2 if tp > 1 else None
+    return heads_per_shard(local, [qkv], [split], [split] * 3, out_ndim=[4] * 3)
 
 
 def recurrent(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
@@ -314,7 +410,7 @@ def recurrent_qkv(state: jax.Array, qkv: jax.Array, g: jax.Array, beta: jax.Arra
             return _recurrent_qkv_per_shard(state, qkv, g, beta, count, key_heads, out_dtype)
         return gdk.recurrent_qkv(state, qkv, g, beta, count, key_heads=key_heads, out_dtype=out_dtype)
     q, k, v = split_qkv(qkv, key_heads, dk, hv, rows=True)  # lane rounds only: row-tiled norms
-    state, out = gdk.recurrent_reference(state, q, k, v, g, beta, count, gpu=_gpu())
+    state, out = recurrent(state, q, k, v, g, beta, count)
     return state, out.astype(out_dtype)
 
 
@@ -349,7 +445,14 @@ def chunked(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.A
     over chunks (`gated_delta_chunked.reference`)."""
     kn = active()
     if kn.pallas and kn.delta_chunked and gdc.supports(k.shape[-1], v.shape[-1]):
-        return gdc.chunked(state, q, k, v, g, beta, block_sizes=gdc.BlockSizes(chunk=chunk))
+        kernel = lambda *a: gdc.chunked(*a, block_sizes=gdc.BlockSizes(chunk=chunk))  # noqa: E731
+        if active_mesh() is None:
+            return kernel(state, q, k, v, g, beta)
+        # each device its own value heads (one head a program: a head's bits are the same at every degree)
+        split = 2 if _splits(state.shape[1]) else None
+        head = None if split is None else 1
+        return heads_per_shard(kernel, [state, q, k, v, g, beta], [head, split, split, split, split, split],
+                               [head, split])
     if active_mesh() is not None:  # one head at a time: the same arithmetic at every TP degree
         return per_head(lambda *a: gdc.reference(*a, chunk), [state, q, k, v, g, beta], [1, 2, 2, 2, 2, 2], [1, 2])
     return gdc.reference(state, q, k, v, g, beta, chunk)

@@ -1,8 +1,8 @@
 """Tensor parallelism over a `jax.sharding.Mesh` (`model` axis) with lanes over a `data` axis, exact across degree.
 
 Placement: parameters by module name (`param_spec`: the logical axis each splits, `vocab`/`heads`/`kv_heads`/`mlp`
-/`experts` -> `model`, `embed` whole), KV pages by KV head, DeltaNet state by value head and `lanes` -> `data`
-(`cache_specs`), lane state by `lanes` (`shard_lane_state`); there is no separate table of logical names.
+/`experts` -> `model`, `embed` whole), KV pages by KV head, DeltaNet state by value head, its conv tail by channel
+and `lanes` -> `data` (`cache_specs`), lane state by `lanes` (`shard_lane_state`); there is no separate table of logical names.
 Column-parallel projections (q/k/v, gate/up, DeltaNet's in-projections, the vocab of the embedding and lm_head)
 split their output in fixed blocks, each device computing its own inside `shard_map` (`ops.column_parallel`). Row-parallel ones (o_proj, down_proj, out_proj) are `Linear.parts` fixed K chunks
 (`ops.row_parallel`): each device computes its chunks, one all-gather brings them back, and the residual add sums
@@ -26,7 +26,7 @@ from tfjax import ops
 from tfjax.config import ModelConfig
 
 MODEL, DATA = ops.MODEL_AXIS, "data"
-MAX_TP = 8  # the largest degree served: a row-parallel product's partial count (fixed: never the degree itself)
+MAX_TP = ops.MAX_TP  # the largest degree served: a row-parallel product's partial count (fixed: never the degree)
 
 COLUMN = ("q_proj", "gate_proj", "up_proj", "in_proj_qkv", "in_proj_z", "lm_head")
 WHOLE = ("in_proj_b", "in_proj_a")  # one column per DeltaNet head: every device computes them (see `plan`)
@@ -191,8 +191,8 @@ def _lanes_spec(n: int, mesh: Mesh) -> P:
 
 def cache_specs(cache, mesh: Mesh, heads: bool = True):
     """PartitionSpecs of a decoder `Cache`: KV pages by kv head (replicated where the degree does not divide them),
-    DeltaNet state by value head and lanes, conv tails and page tables by lanes; `heads=False` (a replicated
-    drafter's cache): lanes only."""
+    DeltaNet state by value head and lanes, conv tails by channel and lanes, page tables by lanes; `heads=False` (a
+    replicated drafter's cache): lanes only."""
     from tfjax.models.decoder import Cache, DeltaState
     from tfjax.models.layers import KVPages
 
@@ -202,7 +202,8 @@ def cache_specs(cache, mesh: Mesh, heads: bool = True):
     for layer in cache.layers:
         if isinstance(layer, DeltaState):
             lanes = DATA if layer.state.shape[0] % mesh.shape[DATA] == 0 else None  # (None: heads stay on axis 1)
-            layers.append(DeltaState(P(lanes), P(lanes, split(layer.state.shape[1]))))
+            # the conv tail by channel, as in_proj_qkv's columns and the conv runs (`ops.conv_silu`)
+            layers.append(DeltaState(P(lanes, None, split(layer.conv.shape[2])), P(lanes, split(layer.state.shape[1]))))
         else:
             spec = P(None, None, split(layer.k.shape[2]))
             layers.append(KVPages(spec, spec))
@@ -240,7 +241,7 @@ def replicate(model: nnx.Module, mesh: Mesh) -> nnx.Module:
 
 def shard_pool(pool, mesh: Mesh):
     """A prefix-cache snapshot pool (`lanes.snapshots`, None or a list aligned with a cache's layers) placed like its
-    cache: DeltaNet state by value head, slots and conv tails whole on every device."""
+    cache: DeltaNet state by value head, conv tails by channel, slots whole on every device."""
     from tfjax.models.decoder import DeltaState
 
     if pool is None:
@@ -252,7 +253,8 @@ def shard_pool(pool, mesh: Mesh):
             out.append(None)
             continue
         heads = MODEL if p.state.shape[1] % tp == 0 else None
-        out.append(DeltaState(jax.device_put(p.conv, NamedSharding(mesh, P())),
+        channels = MODEL if p.conv.shape[2] % tp == 0 else None
+        out.append(DeltaState(jax.device_put(p.conv, NamedSharding(mesh, P(None, None, channels))),
                               jax.device_put(p.state, NamedSharding(mesh, P(None, heads)))))
     return out
 

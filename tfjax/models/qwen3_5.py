@@ -36,7 +36,8 @@ class GatedRMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array, z: jax.Array, rows: bool = False) -> jax.Array:
-        return ops.row_norm(x, self.weight[...], z, kind="gated", eps=self.eps, rows=rows)
+        # x, z [..., H, Dv]: under a mesh each device normalises its own value heads (`ops.rowwise`)
+        return ops.row_norm(x, self.weight[...], z, kind="gated", eps=self.eps, rows=rows, heads=x.ndim - 2)
 
 
 def gates(b_in: jax.Array, a: jax.Array, a_log: jax.Array, dt_bias: jax.Array) -> tuple[jax.Array, jax.Array]:

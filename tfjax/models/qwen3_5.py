@@ -54,7 +54,8 @@ def gates(b_in: jax.Array, a: jax.Array, a_log: jax.Array, dt_bias: jax.Array) -
         return jnp.concatenate([-jnp.exp(a_log) * jax.nn.softplus(ab[:, :h] + dt_bias), jax.nn.sigmoid(ab[:, h:])], -1)
 
     out = ops.rowwise(tile, jnp.concatenate([a, b_in], -1), True)
-    return out[..., :h], out[..., h:]
+    # cut inside `shard_map` too: left to XLA's partitioner, the halves came to each device's heads by collective-permute
+    return ops.whole(lambda o: (o[..., :h], o[..., h:]), out, lanes=True)
 
 
 class GatedDeltaNet(nnx.Module):

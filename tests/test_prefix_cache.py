@@ -135,7 +135,7 @@ def _prefill_rows(runner, prompt: np.ndarray, calls: list[tuple[int, int]]):
     return np.asarray(logits), kv
 
 
-def _assert_prompt_rows_invariant(target, tokens: int, sizes: tuple[int, ...]):
+def _assert_prompt_rows_invariant(target, tokens: int, sizes: tuple[int, ...], more: bool = True):
     """One prompt prefilled along other calls than the chunk grid's (each row size `sizes` names at the platform's
     chunk and page, starts on and off the grid, tails padded mid-page, a turn resumed 13 rows back from its
     predecessor's end): every layer's K and V at every position, and the last row's logits, equal bit for bit."""
@@ -151,21 +151,29 @@ def _assert_prompt_rows_invariant(target, tokens: int, sizes: tuple[int, ...]):
         return calls
 
     logits, kv = _prefill_rows(runner, prompt, repeat([c]))
-    partitions = [repeat([n]) for n in sizes] + [repeat([13, 51, 37, c]), repeat([16, c]),
-                                                 [(0, 61)] + [(s, min(c, tokens - s)) for s in range(48, tokens, c)]]
+    resumed = [(0, 61)] + [(s, min(c, tokens - s)) for s in range(48, tokens, c)]
+    partitions = [repeat([n]) for n in sizes] + [resumed] + ([repeat([13, 51, 37, c]), repeat([16, c])] if more else [])
     for calls in partitions:
         other_logits, other_kv = _prefill_rows(runner, prompt, calls)
         rows = [int((a != b).reshape(tokens, -1).any(1).sum()) for a, b in zip(kv, other_kv, strict=True)]
         assert not any(rows) and np.array_equal(logits, other_logits), (calls, rows)
 
 
+@SLOW  # ~6-8 s; in CI the llama resumed == fresh tests above resume at a page off the grid
 def test_a_prompt_rows_bits_never_depend_on_the_call_that_holds_them(built):
-    """What a page-grained resume rests on (`Runner.grain`), on the llama model's float32 and bfloat16 forms."""
+    """What a page-grained resume rests on (`Runner.grain`), on the tiny llama in float32: 8-row calls (where XLA's
+    small sums took another order before the norms' row tiles and the attention's row blocks) and a resumed turn."""
     llama = _model(built, "llama")
     assert Engine(llama, LANES, eos_ids=()).runner.chunk == 64, "the platform's chunk (the CPU's) is what runs here"
-    _assert_prompt_rows_invariant(llama, 150, (8, 40, 56))
-    bf16 = models.build(LLAMA.replace(dtype="bfloat16"), seed=21)
-    _assert_prompt_rows_invariant(bf16, 150, (24, 48))
+    _assert_prompt_rows_invariant(llama, 100, (8,), more=False)
+
+
+@SLOW
+def test_a_prompt_rows_bits_never_depend_on_the_call_at_every_row_size():
+    """The same for every row size a 64-token chunk compiles, tails padded mid-page and off-grid starts, float32 and
+    bfloat16."""
+    for dtype in ("float32", "bfloat16"):
+        _assert_prompt_rows_invariant(models.build(LLAMA.replace(dtype=dtype), seed=21), 150, tuple(range(8, 65, 8)))
 
 
 @SLOW

@@ -112,7 +112,7 @@ class PrefixCache:
             raise ValueError(f"prefill chunk {chunk} must be a multiple of page_size {page_size} for the prefix "
                              "cache (a resume starts on both grids)")
         self.grain = grain or chunk  # where a resume may start: the chunk grid, or any page (row-invariant prompts)
-        if self.grain % page_size or chunk % self.grain or (hybrid and self.grain != chunk):
+        if enabled and (self.grain % page_size or chunk % self.grain or (hybrid and self.grain != chunk)):
             raise ValueError(f"grain={self.grain} must be a multiple of page_size {page_size} dividing the chunk "
                              f"{chunk} (the chunk itself for a hybrid: its snapshots sit on the chunk grid)")
         self.snapshot_every = snapshot_every or snapshot_interval(chunk)

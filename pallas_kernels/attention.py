@@ -35,6 +35,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import fenced
 
+REFERENCE_ROW_BLOCK = 64  # rows of a prompt chunk's reference attention a step (`paged_prompt_reference`)
 NEG = -1e30  # finite "minus infinity" for the running max, so dead rows never compute inf - inf
 
 
@@ -361,7 +362,7 @@ def paged_rows_reference(q: jax.Array, pages: KVPages, page_table: jax.Array, po
 
 
 def paged_prompt_reference(q: jax.Array, pages: KVPages, page_table: jax.Array, positions: jax.Array, *,
-                           tile_pages: int = REFERENCE_TILE_PAGES) -> jax.Array:
+                           tile_pages: int = REFERENCE_TILE_PAGES, row_block: int = REFERENCE_ROW_BLOCK) -> jax.Array:
     """A prompt chunk's causal attention on the CPU, reading only the key tiles up to its last row.
 
     q [B, T, H, E] at `positions` [B, T] (each lane's rows in order, the last the deepest) over the lane's pages. A
@@ -371,16 +372,25 @@ def paged_prompt_reference(q: jax.Array, pages: KVPages, page_table: jax.Array, 
     the keys). Its bits follow from q, the positions and the keys alone: the tiles are fixed by absolute position
     and their count by the last position, never by the table's width, so a resumed prompt's call computes what a
     fresh one's does. Dtypes as `attention_reference`: scores and the softmax in float32, products in q's dtype.
+
+    Rows go in fixed blocks of `row_block` (a fenced loop; the last block padded with its last position), each
+    walking the tiles up to its own last row: XLA:CPU sums and multiplies a small block in another order than a
+    large one, so one block shape for every call keeps a row's bits independent of the call's start and row count
+    (a fully masked tile adds exact zeros), which lets a prefix resume start at any page (`Runner.grain`).
     """
     b, t, h, e = q.shape
+    pad = (-t) % row_block
+    q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    positions = jnp.pad(positions, ((0, 0), (0, pad)), mode="edge")
     n_pages, page, g, _ = pages.k.shape
     r = h // g
     width = page_table.shape[1]
     table = jnp.pad(page_table, ((0, 0), (0, (-width) % tile_pages)))  # whole tiles; the padding is never reached
     tile = tile_pages * page
 
-    def lane(xs):  # q [T, H, E], positions [T], table [n]
+    def block(xs):  # q [RB, H, E], positions [RB], table [n]
         qb, pb, tb = xs
+        t = row_block
         qg = qb.reshape(t, g, r, e).transpose(1, 2, 0, 3).reshape(g, r * t, e)  # a KV head's rows: head-major
         row_pos = jnp.tile(pb, r)  # [R * T]
         count = jnp.clip(pb[-1] // tile + 1, 1, table.shape[1] // tile_pages)
@@ -402,7 +412,12 @@ def paged_prompt_reference(q: jax.Array, pages: KVPages, page_table: jax.Array, 
         init = (jnp.full((g, r * t), NEG, jnp.float32), jnp.zeros((g, r * t), jnp.float32),
                 jnp.zeros((g, r * t, e), jnp.float32))
         _, l, acc = jax.lax.fori_loop(0, count, step, init)
-        out = (acc / l[..., None]).reshape(g, r, t, e).transpose(2, 0, 1, 3)  # [T, G, R, E]
+        out = (acc / l[..., None]).reshape(g, r, t, e).transpose(2, 0, 1, 3)  # [RB, G, R, E]
         return out.reshape(t, h, e).astype(q.dtype)
 
-    return jnp.stack([lane((q[i], positions[i], table[i])) for i in range(b)])  # B is 1 for a prompt chunk
+    def lane(i):
+        blocks = (q[i].reshape(-1, row_block, h, e), positions[i].reshape(-1, row_block))
+        out = fenced.fenced_map(lambda xs: block((*xs, table[i])), blocks, gpu=False)
+        return out.reshape(-1, h, e)[:t]
+
+    return jnp.stack([lane(i) for i in range(b)])  # B is 1 for a prompt chunk

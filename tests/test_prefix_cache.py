@@ -73,7 +73,7 @@ def _resumed_equals_fresh(target, drafter=None, copies=True, seed=0, gb=GB, lane
     resumed = warm.run([Request(p, max_tokens=12, **c["params"]) for p, c in zip(prompts, convs, strict=True)])
     fresh = _engine(target, drafter, copies, gb, lanes, chunk).run([Request(p, max_tokens=12, **c["params"])
                                                                     for p, c in zip(prompts, convs, strict=True)])
-    full = (head + 20) // warm.runner.chunk * warm.runner.chunk  # turn 1's full chunks
+    full = (head + 20) // warm.prefix.grain * warm.prefix.grain  # turn 1's full chunks (pages: attention-only, CPU)
     for r, f in zip(resumed, fresh, strict=True):
         assert r.token_sha256 == f.token_sha256, (r.token_ids, f.token_ids)
         assert r.cached_tokens == full > 0 and f.cached_tokens == 0  # a cold engine has none
@@ -104,6 +104,86 @@ def test_turn_two_resumed_on_the_platforms_default_grid_equals_a_cold_engine(bui
     message = chunk - 37 - 10 + 23  # turn 2: 37 + 10 (reply) + message = a chunk and 23 tokens after the resume
     _resumed_equals_fresh(_model(built, name), copies=False, lanes=lanes, chunk=None, head=2 * chunk + 17,
                           message=message)
+
+
+def test_attention_only_models_resume_at_a_page_and_hybrids_on_the_chunk_grid(built):
+    """On the reference prompt path (the CPU's) a llama prompt's rows are row-invariant (below), so a resume starts
+    at any page; a hybrid's DeltaNet state between calls keeps it on the chunk grid."""
+    assert _engine(_model(built, "llama")).prefix.grain == LANES.page_size
+    assert _engine(_model(built, "dense")).prefix.grain == CHUNK
+    pc = PrefixCache(pages=12, page_size=2, chunk=4, grain=2)
+    p = _prompt(11)
+    pc.commit(p, pc.allocate(p, 6))  # every full page: 10 tokens
+    assert len(pc.page_of) == 5 and pc.allocate(p + [3, 3], 7).resume == 10 and pc.allocate(p[:9], 5).resume == 8
+    with pytest.raises(ValueError, match="the chunk itself for a hybrid"):
+        PrefixCache(pages=12, page_size=2, chunk=4, snapshots=1, hybrid=True, grain=2)
+
+
+def _prefill_rows(runner, prompt: np.ndarray, calls: list[tuple[int, int]]):
+    """Lane 0's KV (every layer, K and V, at the prompt's positions) and the last call's logits after `calls`."""
+    import jax.numpy as jnp
+
+    from tfjax.lanes import round as lane_round
+
+    runner.reset()
+    cache, logits = runner.state.cache, None
+    for s, n in calls:
+        tokens, start, valid, pages = runner._call(prompt, s, n)
+        logits, cache, _ = lane_round.prefill_chunk(runner.target_def, runner.target_params, cache, jnp.int32(0),
+                                                    tokens, jnp.int32(start), jnp.int32(valid), pages=pages)
+    kv = [np.asarray(x).reshape(-1, *x.shape[2:])[: len(prompt)] for lc in cache.layers for x in (lc.k, lc.v)]
+    return np.asarray(logits), kv
+
+
+def _assert_prompt_rows_invariant(target, tokens: int, sizes: tuple[int, ...], more: bool = True):
+    """One prompt prefilled along other calls than the chunk grid's (each row size `sizes` names at the platform's
+    chunk and page, starts on and off the grid, tails padded mid-page, a turn resumed 13 rows back from its
+    predecessor's end): every layer's K and V at every position, and the last row's logits, equal bit for bit."""
+    runner = Engine(target, LaneConfig(capacity=1, width=4, context=tokens + 64, page_size=16), eos_ids=()).runner
+    c = runner.chunk
+    prompt = np.random.default_rng(5).integers(0, target.config.vocab_size, tokens).astype(np.int32)
+
+    def repeat(ns):
+        calls, s = [], 0
+        while s < tokens:
+            calls.append((s, min(ns[len(calls) % len(ns)], tokens - s)))
+            s += calls[-1][1]
+        return calls
+
+    logits, kv = _prefill_rows(runner, prompt, repeat([c]))
+    resumed = [(0, 61)] + [(s, min(c, tokens - s)) for s in range(48, tokens, c)]
+    partitions = [repeat([n]) for n in sizes] + [resumed] + ([repeat([13, 51, 37, c]), repeat([16, c])] if more else [])
+    for calls in partitions:
+        other_logits, other_kv = _prefill_rows(runner, prompt, calls)
+        rows = [int((a != b).reshape(tokens, -1).any(1).sum()) for a, b in zip(kv, other_kv, strict=True)]
+        assert not any(rows) and np.array_equal(logits, other_logits), (calls, rows)
+
+
+@SLOW  # ~6-8 s; in CI the llama resumed == fresh tests above resume at a page off the grid
+def test_a_prompt_rows_bits_never_depend_on_the_call_that_holds_them(built):
+    """What a page-grained resume rests on (`Runner.grain`), on the tiny llama in float32: 8-row calls (where XLA's
+    small sums took another order before the norms' row tiles and the attention's row blocks) and a resumed turn."""
+    llama = _model(built, "llama")
+    assert Engine(llama, LANES, eos_ids=()).runner.chunk == 64, "the platform's chunk (the CPU's) is what runs here"
+    _assert_prompt_rows_invariant(llama, 100, (8,), more=False)
+
+
+@SLOW
+def test_a_prompt_rows_bits_never_depend_on_the_call_at_every_row_size():
+    """The same for every row size a 64-token chunk compiles, tails padded mid-page and off-grid starts, float32 and
+    bfloat16."""
+    for dtype in ("float32", "bfloat16"):
+        _assert_prompt_rows_invariant(models.build(LLAMA.replace(dtype=dtype), seed=21), 150, tuple(range(8, 65, 8)))
+
+
+@SLOW
+def test_a_prompt_rows_bits_never_depend_on_the_call_at_smollm2s_shapes():
+    """The same at SmolLM2-135M's widths (bf16, random weights, two layers), every row size a 64-token chunk
+    compiles: XLA:CPU's dots at its shapes (scripts/probes/prompt_rows.py runs the packaged model itself)."""
+    config = ModelConfig.from_dict(dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                        num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3,
+                                        rms_norm_eps=1e-5, tie_word_embeddings=True, dtype="bfloat16"))
+    _assert_prompt_rows_invariant(models.build(config, seed=4), 200, tuple(range(8, 65, 8)))
 
 
 @SLOW
@@ -205,8 +285,21 @@ def test_a_resumed_prompt_runs_the_fresh_prompts_calls_from_its_resume_point(chu
         assert limit < length and limit >= length - chunk and limit % chunk == 0
         for resume in range(0, limit + 1, chunk):
             assert prefill_calls(length, chunk, resume) == [c for c in fresh if c[0] >= resume]
-    with pytest.raises(ValueError, match="multiple of the chunk"):
+    with pytest.raises(ValueError, match="multiple of the grain 4"):
         prefill_calls(10, 4, 2)
+
+
+def test_at_the_page_grain_a_resumed_prompt_runs_chunks_from_its_resume_point():
+    """Row-invariant prompts (`Runner.grain`): a resume at any page runs chunks from there, so a turn whose new part
+    fits a chunk runs one call; every full page is cached; the prompt's own resume point leaves a token to run."""
+    for length in range(1, 5 * 16 + 2):
+        assert cached_end(length, 4) == length // 4 * 4 and length - 4 <= resume_limit(length, 4) < length
+        for resume in range(0, resume_limit(length, 4) + 1, 4):
+            calls = prefill_calls(length, 16, resume, grain=4)
+            assert calls[0][0] == resume and sum(n for _, n in calls) == length - resume
+            assert all(n == 16 for _, n in calls[:-1]) and len(calls) == -(-(length - resume) // 16)
+    with pytest.raises(ValueError, match="multiple of the grain 4"):
+        prefill_calls(10, 16, 2, grain=4)
 
 
 def test_a_prefix_resumes_on_the_chunk_grid_and_only_from_committed_pages():

@@ -47,10 +47,10 @@ def test_prompt_chunks_are_padded_to_a_bucket_of_their_length_and_pages(target):
     assert runner.prompt_reads_its_keys and {p for *_, p in shapes(1000)} == {64}
     assert [t for t, *_ in shapes(300)] == [256, 64] and [t for t, *_ in shapes(256 + 130)] == [256, 160]
     assert shapes(5)[0][0] == 16 and shapes(22)[0][0] == 32
-    runner.chunk = 64
+    runner.chunk = runner.grain = 64  # a hybrid resumes on the chunk grid
     assert [t for t, *_ in shapes(64 + 22)] == [64, 24] and shapes(5)[0][0] == 8 and shapes(40)[0][0] == 40
     assert shapes(64 + 22, resume=64) == shapes(64 + 22)[1:]
-    runner.chunk = 256
+    runner.chunk = runner.grain = 256
     runner.prompt_reads_its_keys = runner.reference_prompt = False  # a kernel's: powers of two of rows and pages
     assert shapes(22) == [(32, 0, 22, 2)]
     assert shapes(5) == [(16, 0, 5, 1)]

@@ -140,6 +140,13 @@ def _gpu() -> bool:
     return active().pallas
 
 
+def norm_tiles(rows: bool) -> bool:
+    """Whether a model's RMSNorm runs in fixed row tiles: lane-round rows, and every row on the reference path (the
+    CPU's), where XLA sums a small [M, D] (f32, under ~4k elements) in another order than a large one, so a prompt
+    row's bits would depend on the rows of its call (docs/prefix_cache.md "Resuming at a page")."""
+    return rows or not _gpu()
+
+
 # --- row-invariant loops (`pallas_kernels.fenced`) with the active choice ---
 
 

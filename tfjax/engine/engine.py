@@ -68,7 +68,8 @@ class Engine:
                                            lanes.capacity * lanes.pages_per_lane)
         self.runner = Runner(target, lanes, drafter=drafter, extra_pages=extra, snapshot_slots=slots, **runner_kw)
         self.prefix = prefix_cache.PrefixCache(self.runner.pages, lanes.page_size, chunk, slots, hybrid=snap_b > 0,
-                                               enabled=prefix_cache_gb > 0, snapshot_every=every)
+                                               enabled=prefix_cache_gb > 0, snapshot_every=every,
+                                               grain=self.runner.grain)
         self.scheduler = Scheduler(lanes.capacity, lanes.context, lanes.width, lanes.page_size, self.runner.pages,
                                    self.prefix)
         self.eos_ids = tuple(eos_ids)

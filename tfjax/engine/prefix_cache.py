@@ -7,6 +7,9 @@ Invariants:
   names the whole prefix up to the page's end, never just the page's tokens.
 - Only pages a prefill wrote inside full prompt chunks on the absolute grid (multiples of `chunk` from
   position 0) are cached; a resume starts on that grid, so it runs exactly the chunks a fresh prefill runs.
+  Where the prompt path is row-invariant (a row's bits never depend on the call holding it: the CPU's reference
+  path for attention-only models, `Runner.grain`), the grain is the page instead: every full page of a prompt is
+  cached and a resume starts at any page boundary.
 - Hybrid models (`snapshots` > 0 slots): a grid boundary is resumable only where a snapshot of the lanes'
   recurrent state sits on the page ending there; the snapshot goes when that page is evicted, or earlier
   when the slots are full and it is the least recently used one. A prefill saves one at every multiple of
@@ -33,25 +36,28 @@ def chain_keys(tokens: list[int], page_size: int, pages: int) -> list[bytes]:
     return keys
 
 
-def prefill_calls(length: int, chunk: int, resume: int = 0) -> list[tuple[int, int]]:
-    """A prompt's prefill calls from `resume` (a grid point), as (start, tokens): the chunks [kC, (k+1)C) of the
-    absolute grid, the last one cut at the prompt's end. They follow from the length alone, so a resumed prompt runs
-    exactly the calls of a fresh one from its resume point (the runner pads each by its start and size alone)."""
-    if resume % chunk or not 0 <= resume < length:
-        raise ValueError(f"resume={resume} must be a multiple of the chunk {chunk} below the prompt's {length} tokens")
+def prefill_calls(length: int, chunk: int, resume: int = 0, grain: int | None = None) -> list[tuple[int, int]]:
+    """A prompt's prefill calls from `resume` (a multiple of `grain`, by default the chunk), as (start, tokens):
+    chunks of `chunk` tokens from `resume`, the last one cut at the prompt's end. On the chunk grid they follow from
+    the length alone, so a resumed prompt runs exactly the calls of a fresh one from its resume point (the runner
+    pads each by its start and size alone); at a finer grain a resumed prompt's calls are other calls over the same
+    rows, exact only where the prompt path is row-invariant (`Runner.grain`)."""
+    grain = grain or chunk
+    if resume % grain or not 0 <= resume < length:
+        raise ValueError(f"resume={resume} must be a multiple of the grain {grain} below the prompt's {length} tokens")
     return [(s, min(chunk, length - s)) for s in range(resume, length, chunk)]
 
 
-def cached_end(length: int, chunk: int) -> int:
-    """The end of a prompt's last full-chunk call: its pages and state before this are what later prompts resume
-    from (a partial last call is padded to another shape, so its rows are never cached)."""
-    return length // chunk * chunk
+def cached_end(length: int, grain: int) -> int:
+    """The end of the prompt's part later prompts resume from: its last full chunk on the chunk grid (a partial
+    last call is padded to another shape, so its rows are never cached), its last full page at the page grain."""
+    return length // grain * grain
 
 
-def resume_limit(length: int, chunk: int) -> int:
-    """The deepest point a prompt resumes at: a grid point with at least one of its tokens after it (the first
-    token's logits come from its last call)."""
-    return (length - 1) // chunk * chunk
+def resume_limit(length: int, grain: int) -> int:
+    """The deepest point a prompt resumes at: a multiple of the grain with at least one of its tokens after it (the
+    first token's logits come from its last call)."""
+    return (length - 1) // grain * grain
 
 
 SNAPSHOT_EVERY = 256  # tokens between a hybrid prefix's snapshots (besides each prompt's last boundary)
@@ -81,7 +87,7 @@ class Plan:
     """A request's admission: its pages, where its prefill resumes, and the snapshots it restores and saves."""
 
     pages: list[int]
-    resume: int = 0  # prompt tokens taken from the cache (prefill starts here, on the chunk grid)
+    resume: int = 0  # prompt tokens taken from the cache (prefill starts here, a multiple of the grain)
     restore: int | None = None  # snapshot slot restored into the lane before the prefill
     saves: dict[int, int] = dataclasses.field(default_factory=dict)  # grid boundary -> slot to save into
 
@@ -101,10 +107,14 @@ class PrefixCache:
     """Page allocation with reuse of cached prompt prefixes (`enabled=False`: a plain free list)."""
 
     def __init__(self, pages: int, page_size: int, chunk: int, snapshots: int = 0, hybrid: bool = False,
-                 enabled: bool = True, snapshot_every: int | None = None):
+                 enabled: bool = True, snapshot_every: int | None = None, grain: int | None = None):
         if enabled and chunk % page_size:
             raise ValueError(f"prefill chunk {chunk} must be a multiple of page_size {page_size} for the prefix "
                              "cache (a resume starts on both grids)")
+        self.grain = grain or chunk  # where a resume may start: the chunk grid, or any page (row-invariant prompts)
+        if enabled and (self.grain % page_size or chunk % self.grain or (hybrid and self.grain != chunk)):
+            raise ValueError(f"grain={self.grain} must be a multiple of page_size {page_size} dividing the chunk "
+                             f"{chunk} (the chunk itself for a hybrid: its snapshots sit on the chunk grid)")
         self.snapshot_every = snapshot_every or snapshot_interval(chunk)
         if self.snapshot_every % chunk:
             raise ValueError(f"snapshot_every={self.snapshot_every} must be a multiple of the chunk {chunk}")
@@ -128,15 +138,15 @@ class PrefixCache:
         """The cached pages a prompt can resume after, the resume position and the snapshot slot to restore."""
         if not self.enabled:
             return [], 0, None
-        limit = resume_limit(len(prompt), self.chunk)
+        limit = resume_limit(len(prompt), self.grain)
         pages = []
         for key in chain_keys(prompt, self.page_size, limit // self.page_size):
             page = self.page_of.get(key)
             if page is None:
                 break
             pages.append(page)
-        per_chunk = self.chunk // self.page_size
-        for n in range(len(pages) // per_chunk * per_chunk, 0, -per_chunk):
+        per_grain = self.grain // self.page_size
+        for n in range(len(pages) // per_grain * per_grain, 0, -per_grain):
             slot = self.snap_of.get(pages[n - 1])
             if not self.hybrid or slot is not None:
                 return pages[:n], n * self.page_size, slot
@@ -171,10 +181,10 @@ class PrefixCache:
         return plan
 
     def commit(self, prompt: list[int], plan: Plan) -> None:
-        """After a successful prefill: cache the pages it wrote in full chunks and attach the snapshots it saved."""
+        """After a successful prefill: cache the pages it wrote up to `cached_end` and attach the snapshots it saved."""
         if not self.enabled:
             return
-        full = cached_end(len(prompt), self.chunk)
+        full = cached_end(len(prompt), self.grain)
         keys = chain_keys(prompt, self.page_size, full // self.page_size)
         for i in range(plan.resume // self.page_size, len(keys)):
             if keys[i] not in self.page_of:

@@ -35,11 +35,19 @@ class Runner:
         self.target_def, self.target_params = models.split(target)
         self.drafter_def, self.drafter_params = (None, None) if drafter is None else models.split(drafter)
         self.chunk = prefill_chunk or default_prefill_chunk()
-        # the reference prompt path (the CPU's) pads a chunk's tail to fewer rows (`_chunks`), and without a mesh its
+        # the reference prompt path (the CPU's) pads a chunk's tail to fewer rows (`_call`), and without a mesh its
         # attention walks key tiles up to the chunk's end; a kernel's or a mesh's gathers the table's pages, so there
         # the table is cut to a power of two of pages
         self.reference_prompt = not target.kernels.pallas
         self.prompt_reads_its_keys = self.reference_prompt and getattr(target, "mesh", None) is None
+        # where a prefix resume may start: the chunk grid (a resumed prompt runs the fresh prompt's own calls), or any
+        # page where a prompt row's bits never depend on the call holding it (its start, rows, offset): the reference
+        # path without a mesh over attention-only models (no DeltaNet state between calls; docs/prefix_cache.md
+        # "Resuming at a page", pinned by tests/test_prefix_cache.py), so a chat's next turn runs one call, not two
+        by_page = not self.block_drafter and all(
+            not m.kernels.pallas and getattr(m, "mesh", None) is None and not m.config.linear_layers
+            for m in (target, drafter) if m is not None)
+        self.grain = lanes.page_size if by_page else self.chunk
         self.pages = lanes.capacity * lanes.pages_per_lane + extra_pages  # extra pages hold cached prefixes
         self.snapshot_slots = snapshot_slots
         self._models = (target, drafter)
@@ -85,24 +93,28 @@ class Runner:
         self.spec = lane_round_mod.RoundSpec(self.lanes, facts)
 
     def _chunks(self, prompt: np.ndarray, resume: int):
-        """The prompt's calls from `resume` (`prefix_cache.prefill_calls`): (tokens [1, C], start, valid, pages).
-        C is the chunk, or for a partial last one a power of two from 16 up holding its tokens (on the reference
-        path, the CPU's, also at most the next multiple of an eighth of the chunk, from 8: a 22-token tail takes 24
-        rows at 64); `pages` a power of two of pages holding the keys up to its end, or the lane's whole row where the
-        prompt attention reads only the key tiles up to the chunk's last row (the reference's: `ops.paged_attention`;
-        one program a row size). All follow from the call's start and length only, so a resumed prompt runs exactly
-        the calls a fresh one runs."""
+        """The prompt's calls from `resume` (`prefix_cache.prefill_calls` at the runner's grain), each `_call`."""
+        for s, n in prefix_cache.prefill_calls(len(prompt), self.chunk, resume, self.grain):
+            yield self._call(prompt, s, n)
+
+    def _call(self, prompt: np.ndarray, s: int, n: int):
+        """One call of `n` tokens at `s`: (tokens [1, C], start, valid, pages). C is the chunk, or for a partial last
+        one a power of two from 16 up holding its tokens (on the reference path, the CPU's, also at most the next
+        multiple of an eighth of the chunk, from 8: a 22-token tail takes 24 rows at 64); `pages` a power of two of
+        pages holding the keys up to its end, or the lane's whole row where the prompt attention reads only the key
+        tiles up to the chunk's last row (the reference's: `ops.paged_attention`; one program a row size). All follow
+        from the call's start and length only, so on the chunk grid a resumed prompt runs exactly the calls a fresh
+        one runs."""
         step = max(8, self.chunk // 8)
-        for s, n in prefix_cache.prefill_calls(len(prompt), self.chunk, resume):
-            piece = prompt[s : s + n]
-            size = min(self.chunk, max(16, 1 << (n - 1).bit_length()))
-            if self.reference_prompt:  # eight row sizes a chunk at most: XLA's CPU dots take any row count
-                size = min(size, -(-n // step) * step)
-            tokens = np.zeros((1, size), np.int32)
-            tokens[0, : len(piece)] = piece
-            need = -(-(s + size) // self.lanes.page_size)
-            pages = min(self.lanes.pages_per_lane, 1 << (need - 1).bit_length())
-            yield jnp.asarray(tokens), s, n, self.lanes.pages_per_lane if self.prompt_reads_its_keys else pages
+        piece = prompt[s : s + n]
+        size = min(self.chunk, max(16, 1 << (n - 1).bit_length()))
+        if self.reference_prompt:  # eight row sizes a chunk at most: XLA's CPU dots take any row count
+            size = min(size, -(-n // step) * step)
+        tokens = np.zeros((1, size), np.int32)
+        tokens[0, : len(piece)] = piece
+        need = -(-(s + size) // self.lanes.page_size)
+        pages = min(self.lanes.pages_per_lane, 1 << (need - 1).bit_length())
+        return jnp.asarray(tokens), s, n, self.lanes.pages_per_lane if self.prompt_reads_its_keys else pages
 
     def _snapshot(self, which: int, cache, lane: int, end: int, saves: dict[int, int]) -> None:
         if end in saves and self.pools[which] is not None:
@@ -146,7 +158,7 @@ class Runner:
                 token_grammar: grammar.TokenGrammar | None = None) -> int:
         """Feed a prompt into `lane` (and the drafter), pick its first token, and make the lane live.
 
-        With a cached prefix, the first `resume` tokens (a chunk-grid point) are already in `pages`; snapshot slot
+        With a cached prefix, the first `resume` tokens (a multiple of `grain`) are already in `pages`; snapshot slot
         `restore` holds the DeltaNet state there. `saves` maps grid boundaries to slots to snapshot into."""
         saves = saves or {}
         proc = proc if proc is not None else sampling.Processors.for_request(self.vocab, prompt)

@@ -44,7 +44,7 @@ class RMSNorm(nnx.Module):
         self.eps, self.offset = eps, offset
 
     def __call__(self, x: jax.Array, rows: bool = False) -> jax.Array:
-        return ops.row_norm(x, self.weight[...], kind=self.kind, eps=self.eps, rows=rows)
+        return ops.row_norm(x, self.weight[...], kind=self.kind, eps=self.eps, rows=ops.norm_tiles(rows))
 
     @property
     def kind(self) -> str:
@@ -52,7 +52,7 @@ class RMSNorm(nnx.Module):
 
     def add(self, x: jax.Array, parts: jax.Array, rows: bool = False) -> tuple[jax.Array, jax.Array]:
         """The residual x plus an update given as partial sums (`Linear.partials`), and its norm (`ops.add_norm`)."""
-        return ops.add_norm(x, parts, self.weight[...], kind=self.kind, eps=self.eps, rows=rows)
+        return ops.add_norm(x, parts, self.weight[...], kind=self.kind, eps=self.eps, rows=ops.norm_tiles(rows))
 
 
 class Linear(nnx.Module):

@@ -37,7 +37,9 @@ SAMPLED = dict(temperature=1.0, top_k=20, top_p=0.95, seed=3)
 def warm(llm, groups: list[list], params: dict) -> None:
     """Compile, untimed, every shape the timed groups take: each group once (8 tokens), so each prompt's prefill
     chunk and page buckets and the round's lane bucket are compiled before any clock starts. The prefix cache is off
-    meanwhile, so the timed groups find it as they would have (a fresh prefill runs the chunks a resumed one does)."""
+    meanwhile, so the timed groups find it as they would have (a fresh prefill runs the chunks a resumed one does).
+    Every lane bucket's round too (`precompile`): streams that end apart meet buckets a short warm-up may not."""
+    llm.precompile()
     prefix = llm.engine.prefix
     enabled, prefix.enabled = prefix.enabled, False
     try:

@@ -139,7 +139,7 @@ def test_a_multi_host_serve_serves_on_process_0_and_follows_elsewhere(monkeypatc
     from tfjax.engine import lockstep
 
     did = []
-    llm = SimpleNamespace(engine=object())
+    llm = SimpleNamespace(engine=object(), precompile=lambda: did.append("precompile"))
     monkeypatch.setattr(sharding, "initialize_distributed", lambda *a: did.append("join"))
     monkeypatch.setattr(api, "load", lambda model, **kw: llm)
     monkeypatch.setattr(jax, "process_count", lambda: 2)
@@ -150,7 +150,8 @@ def test_a_multi_host_serve_serves_on_process_0_and_follows_elsewhere(monkeypatc
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: did.append("http"))
     monkeypatch.setattr("sys.stdout", io.StringIO())  # a follower's _load sends its stdout to devnull
     assert cli.main(["serve", "m", "--coordinator", "h:1", "--num-processes", "2", "--process-id", str(process)]) == 0
-    assert did == ["join", ("app", "Leader"), "http"] if process == 0 else ["join", ("follow", True, "channel")], did
+    assert did == (["join", "precompile", ("app", "Leader"), "http"] if process == 0
+                   else ["join", "precompile", ("follow", True, "channel")]), did
 
 
 def test_a_follower_that_diverged_is_one_line(capsys, monkeypatch):
@@ -164,7 +165,7 @@ def test_a_follower_that_diverged_is_one_line(capsys, monkeypatch):
         raise lockstep.Diverged("this process's engine differs from process 0's before step 3")
 
     monkeypatch.setattr(sharding, "initialize_distributed", lambda *a: None)
-    monkeypatch.setattr(api, "load", lambda model, **kw: SimpleNamespace(engine=None))
+    monkeypatch.setattr(api, "load", lambda model, **kw: SimpleNamespace(engine=None, precompile=lambda: 0))
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     monkeypatch.setattr(jax, "process_index", lambda: 1)
     monkeypatch.setattr(lockstep, "Channel", lambda: None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from pallas_kernels import attention as pk
 from tfjax.engine import Engine, Request
@@ -121,3 +122,28 @@ def test_a_resumed_prompt_runs_the_bucketed_chunks_a_fresh_one_runs(target):
     fresh = Engine(target, LANES, eos_ids=(), prefill_chunk=32).run([Request(prompt, max_tokens=6)])[0]
     assert again.cached_tokens == 64
     assert again.token_ids == fresh.token_ids
+
+
+
+
+
+@pytest.mark.slow  # ~40 s: five rounds compiled
+def test_precompiled_rounds_leave_nothing_to_compile_when_lanes_end_apart(target, caplog):
+    """`compile_rounds` compiles every lane bucket's round (1, 2, 4 lanes); requests that end apart then run buckets
+    4, 2 and 1 and compile no round of their own, where an engine without it compiles them mid-stream (stalling
+    every lane). Widths no other test uses, so no earlier compile hides one."""
+    import jax
+
+    def round_compiles(fn) -> int:
+        caplog.clear()
+        with jax.log_compiles(True), caplog.at_level("WARNING", logger="jax"):
+            fn()
+        return sum("Compiling jit(lane_round)" in r.getMessage() for r in caplog.records)
+
+    requests = [Request(_prompt(5 + i, 9), max_tokens=n) for i, n in enumerate((2, 4, 7, 7))]
+    cold = Engine(target, LaneConfig(capacity=4, width=3, context=192, page_size=16), eos_ids=())
+    assert round_compiles(lambda: cold.run(requests)) >= 2
+    engine = Engine(target, LaneConfig(capacity=4, width=4, context=192, page_size=16), eos_ids=())
+    assert engine.runner.round_buckets() == [(0,), (0, 1), None]
+    assert round_compiles(engine.runner.compile_rounds) == 3
+    assert round_compiles(lambda: engine.run(requests)) == 0

@@ -102,6 +102,10 @@ class LLM:
             self.engine.runner.set_facts(RoundFacts(copy_match=(copy_match or facts.copy_match) if copies else 0,
                                                     draft_block=facts.draft_block))
 
+    def precompile(self) -> int:
+        """Compile every lane bucket's round now (a server does before it listens): how many programs."""
+        return self.engine.runner.compile_rounds()
+
     def encode(self, prompt: str | list[dict] | list[int], chat: bool | None = None) -> list[int]:
         """Token ids of a prompt string, of chat messages rendered with the checkpoint's template, or ids as given."""
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):

@@ -141,6 +141,9 @@ def parser() -> argparse.ArgumentParser:
                    help="browser origins allowed by CORS, e.g. http://localhost:3000 or '*' (default: none)")
     s.add_argument("--max-body-mb", type=_positive, default=None,
                    help="largest request body in MB; larger get 413 (default: the server's)")
+    s.add_argument("--no-precompile", action="store_true",
+                   help="listen at once, without compiling the round of every lane bucket first (1, 2, 4 ... lanes); "
+                        "a bucket first met while serving then stalls every lane while it compiles")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server log level")
     v = sub.add_parser("convert", help="convert a GGUF file or a bf16 folder (to MLX 4-bit with --bits)",
@@ -337,6 +340,8 @@ def serve(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     llm = _load(args, lanes=args.parallel, width=args.width)
     llm.drafter_name = _drafter(args)
+    if not args.no_precompile:  # every process: followers run the same rounds
+        llm.precompile()
     role = _role(args)
     if role == "follower":  # no HTTP here: process 0 serves and broadcasts what its engine admits
         return _follow(llm)

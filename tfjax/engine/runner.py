@@ -224,6 +224,25 @@ class Runner:
         idle = [i for i in range(n) if i not in self.live]
         return tuple(sorted(self.live)) + tuple(idle[: bucket - len(self.live)])
 
+    def round_buckets(self) -> list[tuple[int, ...] | None]:
+        """Every lane set `round_lanes` can give, as a compile key: 1, 2, 4 ... lanes below the capacity, then None."""
+        n, sizes = self.lanes.capacity, []
+        while (b := 1 << len(sizes)) < n:
+            sizes.append(tuple(range(b)))
+        return [*sizes, None]
+
+    def compile_rounds(self) -> int:
+        """Compile, ahead of time and running nothing, the round of every lane bucket (without processors), so a
+        bucket first met while serving (lanes ending apart) costs no trace and compile that stalls every lane; returns
+        how many. JAX's jit call path reuses these compiles."""
+        spec = dataclasses.replace(self.spec, processors=False)
+        buckets = self.round_buckets()
+        for lanes in buckets:
+            order = None if lanes is None else jnp.asarray(lanes, jnp.int32)
+            lane_round_mod.lane_round.lower(self.target_def, self.target_params, self.drafter_def, self.drafter_params,
+                                            self.state, spec, order).compile()
+        return len(buckets)
+
     def dispatch(self) -> lane_round_mod.RoundOut:
         """Enqueue one lane round (asynchronous); the lane state moves on, its output stays on the device."""
         lanes = self.round_lanes()

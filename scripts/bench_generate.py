@@ -20,6 +20,7 @@ the N streams, tok/round their mean), `--per-cell` rounded up to a multiple of N
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 from flax import nnx
@@ -110,6 +111,8 @@ def main():
     ap.add_argument("--prompts", default=None, help="a corpus prompt set (.jsonl.gz): its held-out prompts")
     ap.add_argument("--per-cell", type=int, default=4, help="with --prompts: prompts a cell")
     ap.add_argument("--streams", type=int, default=1, help="with --prompts: prompts at once")
+    ap.add_argument("--runs", type=int, default=1, help="timed runs of every mode, in turns: tok/s is their median "
+                    "(min..max); hashes are checked on every run")
     args = ap.parse_args()
     kw = dict(lanes=max(1, args.streams), width=args.width, context=args.context)
     if args.random_weights is not None:
@@ -136,20 +139,28 @@ def main():
             warm(llm, groups, modes[0][1] if modes else {})
         label = name if not args.prompts else f"{name} (held out x{sum(map(len, groups))}, {args.streams} at once)"
         for sampling, params in modes:
-            base_s, base_r, base = timed_groups(engines["copies"], groups, args.tokens, False, params)
-            print(f"| {label}, {sampling} | plain | {base_s:.1f} | {base_r:.2f} | 1.00 | - |")
             drafted = args.random_weights is None or args.exact
-            runs = [(m, llm, True) for m, llm in engines.items()] if drafted else []
+            rows = [("plain", engines["copies"], False)]
             if args.plain_twice:
-                runs.insert(0, ("plain again", engines["copies"], False))
-            for mode, llm, draft in runs:
-                s, r, outs = timed_groups(llm, groups, args.tokens, draft, params)
-                same = sum(o.token_sha256 == b.token_sha256 for o, b in zip(outs, base, strict=True))
-                print(f"| {label}, {sampling} | {mode} | {s:.1f} | {r:.2f} | {s / base_s:.2f} | {same}/{len(base)} |",
-                      flush=True)
-                for k, (o, b) in enumerate(zip(outs, base, strict=True)):
-                    if o.token_sha256 != b.token_sha256:
-                        notes.append(f"{name} #{k}, {sampling}, {mode}: {first_difference(b.token_ids, o.token_ids)}")
+                rows.append(("plain again", engines["copies"], False))
+            rows += [(m, llm, True) for m, llm in engines.items()] if drafted else []
+            speeds, rounds, same, base = {mode: [] for mode, *_ in rows}, {}, {}, None
+            for _ in range(args.runs):  # the modes in turns, so a change in the machine's load hits all alike
+                for mode, llm, draft in rows:
+                    s, rounds[mode], outs = timed_groups(llm, groups, args.tokens, draft, params)
+                    speeds[mode].append(s)
+                    base = base or outs  # the first plain run: every other run's hashes are checked against it
+                    equal = [o.token_sha256 == b.token_sha256 for o, b in zip(outs, base, strict=True)]
+                    same[mode] = min(same.get(mode, len(base)), sum(equal))
+                    notes += [f"{name} #{k}, {sampling}, {mode}: {first_difference(b.token_ids, o.token_ids)}"
+                              for k, (o, b, e) in enumerate(zip(outs, base, equal, strict=True)) if not e]
+            plain = statistics.median(speeds["plain"])
+            for mode, *_ in rows:
+                med = statistics.median(speeds[mode])
+                spread = f" ({min(speeds[mode]):.1f}..{max(speeds[mode]):.1f})" if args.runs > 1 else ""
+                equal = "-" if mode == "plain" else f"{same[mode]}/{len(base)}"
+                print(f"| {label}, {sampling} | {mode} | {med:.1f}{spread} | {rounds[mode]:.2f} | {med / plain:.2f} | "
+                      f"{equal} |", flush=True)
     for note in notes:
         print(note)
 

@@ -119,22 +119,6 @@ def test_attention_only_models_resume_at_a_page_and_hybrids_on_the_chunk_grid(bu
         PrefixCache(pages=12, page_size=2, chunk=4, snapshots=1, hybrid=True, grain=2)
 
 
-def _prefill_rows(runner, prompt: np.ndarray, calls: list[tuple[int, int]]):
-    """Lane 0's KV (every layer, K and V, at the prompt's positions) and the last call's logits after `calls`."""
-    import jax.numpy as jnp
-
-    from tfjax.lanes import round as lane_round
-
-    runner.reset()
-    cache, logits = runner.state.cache, None
-    for s, n in calls:
-        tokens, start, valid, pages = runner._call(prompt, s, n)
-        logits, cache, _ = lane_round.prefill_chunk(runner.target_def, runner.target_params, cache, jnp.int32(0),
-                                                    tokens, jnp.int32(start), jnp.int32(valid), pages=pages)
-    kv = [np.asarray(x).reshape(-1, *x.shape[2:])[: len(prompt)] for lc in cache.layers for x in (lc.k, lc.v)]
-    return np.asarray(logits), kv
-
-
 def _assert_prompt_rows_invariant(target, tokens: int, sizes: tuple[int, ...], more: bool = True):
     """One prompt prefilled along other calls than the chunk grid's (each row size `sizes` names at the platform's
     chunk and page, starts on and off the grid, tails padded mid-page, a turn resumed 13 rows back from its
@@ -150,11 +134,11 @@ def _assert_prompt_rows_invariant(target, tokens: int, sizes: tuple[int, ...], m
             s += calls[-1][1]
         return calls
 
-    logits, kv = _prefill_rows(runner, prompt, repeat([c]))
+    logits, kv = runner.prefill_along(prompt, repeat([c]))
     resumed = [(0, 61)] + [(s, min(c, tokens - s)) for s in range(48, tokens, c)]
     partitions = [repeat([n]) for n in sizes] + [resumed] + ([repeat([13, 51, 37, c]), repeat([16, c])] if more else [])
     for calls in partitions:
-        other_logits, other_kv = _prefill_rows(runner, prompt, calls)
+        other_logits, other_kv = runner.prefill_along(prompt, calls)
         rows = [int((a != b).reshape(tokens, -1).any(1).sum()) for a, b in zip(kv, other_kv, strict=True)]
         assert not any(rows) and np.array_equal(logits, other_logits), (calls, rows)
 

@@ -10,11 +10,9 @@ from __future__ import annotations
 import argparse
 import time
 
-import jax.numpy as jnp
 import numpy as np
 
 from tfjax import api
-from tfjax.lanes import round as lane_round
 
 
 def main():
@@ -28,14 +26,7 @@ def main():
     prompt = np.random.default_rng(0).integers(100, run.vocab - 100, args.tokens).astype(np.int32)
 
     def prefill(calls):
-        run.reset()
-        cache, logits = run.state.cache, None
-        for s, n in calls:
-            tokens, start, valid, pages = run._call(prompt, s, n)
-            logits, cache, _ = lane_round.prefill_chunk(run.target_def, run.target_params, cache, jnp.int32(0),
-                                                        tokens, jnp.int32(start), jnp.int32(valid), pages=pages)
-        kv = [np.asarray(x).reshape(-1, *x.shape[2:])[: args.tokens] for layer in cache.layers for x in (layer.k, layer.v)]
-        return np.asarray(logits), kv
+        return run.prefill_along(prompt, calls)
 
     def calls_of(sizes):
         out, s = [], 0

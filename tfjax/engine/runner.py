@@ -97,6 +97,18 @@ class Runner:
         for s, n in prefix_cache.prefill_calls(len(prompt), self.chunk, resume, self.grain):
             yield self._call(prompt, s, n)
 
+    def prefill_along(self, prompt: np.ndarray, calls: list[tuple[int, int]]) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Lane 0 of a reset runner prefilled along `calls` ((start, tokens) each, not only the chunk grid's), for
+        row-invariance checks: (the last call's logits, every layer's K and V at the prompt's positions)."""
+        self.reset()
+        cache, logits = self.state.cache, None
+        for s, n in calls:
+            tokens, start, valid, pages = self._call(prompt, s, n)
+            logits, cache, _ = lane_round_mod.prefill_chunk(self.target_def, self.target_params, cache, jnp.int32(0),
+                                                            tokens, jnp.int32(start), jnp.int32(valid), pages=pages)
+        kv = [np.asarray(x).reshape(-1, *x.shape[2:])[: len(prompt)] for lc in cache.layers for x in (lc.k, lc.v)]
+        return np.asarray(logits), kv
+
     def _call(self, prompt: np.ndarray, s: int, n: int):
         """One call of `n` tokens at `s`: (tokens [1, C], start, valid, pages). C is the chunk, or for a partial last
         one a power of two from 16 up holding its tokens (on the reference path, the CPU's, also at most the next

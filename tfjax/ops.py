@@ -69,6 +69,7 @@ PALLAS = Kernels(pallas=True)
 _ACTIVE: contextvars.ContextVar[Kernels | None] = contextvars.ContextVar("tfjax_kernels", default=None)
 _MESH: contextvars.ContextVar = contextvars.ContextVar("tfjax_mesh", default=None)
 _LANES: contextvars.ContextVar[bool] = contextvars.ContextVar("tfjax_lanes", default=False)
+_TRAINING: contextvars.ContextVar[bool] = contextvars.ContextVar("tfjax_training", default=False)
 MODEL_AXIS = "model"  # the mesh axis of tensor parallelism (`tfjax.sharding`)
 DATA_AXIS = "data"  # the mesh axis the lanes split over
 
@@ -143,8 +144,19 @@ def _gpu() -> bool:
 def norm_tiles(rows: bool) -> bool:
     """Whether a model's RMSNorm runs in fixed row tiles: lane-round rows, and every row on the reference path (the
     CPU's), where XLA sums a small [M, D] (f32, under ~4k elements) in another order than a large one, so a prompt
-    row's bits would depend on the rows of its call (docs/prefix_cache.md "Resuming at a page")."""
-    return rows or not _gpu()
+    row's bits would depend on the rows of its call (docs/prefix_cache.md "Resuming at a page"); never in `training`."""
+    return rows or not (_gpu() or _TRAINING.get())
+
+
+@contextlib.contextmanager
+def training():
+    """Trace a forward to differentiate (a drafter's training loss): prompt norms in one reduction, since the row
+    tiles' loops have dynamic bounds that reverse-mode autodiff refuses; row invariance is an inference property."""
+    token = _TRAINING.set(True)
+    try:
+        yield
+    finally:
+        _TRAINING.reset(token)
 
 
 # --- row-invariant loops (`pallas_kernels.fenced`) with the active choice ---

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from tfjax import models
+from tfjax import models, ops
 from tfjax.config import ModelConfig
 from tfjax.drafters.dflash2 import DFlashConfig, DFlashDrafter, target_layer_ids
 from tfjax.models.layers import PROMPT
@@ -183,8 +183,9 @@ def make_step(optimizer, anchors: int, gamma: float, compute_dtype=None):
 
         def loss_of(p):
             p = p if compute_dtype is None else cast(p, compute_dtype)
-            return block_loss(models.merge(drafter_def, p), target, feats, batch["tokens"], batch["lengths"],
-                              batch["starts"], key, anchors, gamma)
+            with ops.training():
+                return block_loss(models.merge(drafter_def, p), target, feats, batch["tokens"], batch["lengths"],
+                                  batch["starts"], key, anchors, gamma)
 
         (loss, stats), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
         updates, opt = optimizer.update(grads, opt, params)

@@ -93,6 +93,7 @@ def test_turn_two_resumed_from_the_cache_equals_a_cold_engine(built, name, copie
         assert sum(r.proposed for r in resumed) > 0, "copies never proposed: the test would not exercise them"
 
 
+@pytest.mark.slow  # ~20-30 s a model; the chunk-64 grid's resumed == fresh stays in CI (dense, MoE, llama)
 @pytest.mark.parametrize("name", ["dense", "llama"])
 def test_turn_two_resumed_on_the_platforms_default_grid_equals_a_cold_engine(built, name):
     """The engine's own prefill chunk (64 on the CPU) and page size (16): turn 1 ends mid-chunk and mid-page (two
@@ -178,6 +179,7 @@ def test_resumed_equals_fresh_with_a_draft_model(built):
     assert all(r.proposed > 0 for r in resumed)
 
 
+@pytest.mark.slow  # ~30-45 s: a DFlash2 engine compiled cold and warm
 def test_resumed_equals_fresh_with_a_block_drafter(built):
     from tests.test_dflash2 import drafter_config
     from tfjax.drafters import dflash2

@@ -39,8 +39,7 @@ def warm(llm, groups: list[list], params: dict) -> None:
     """Compile, untimed, every shape the timed groups take: each group once (8 tokens), so each prompt's prefill
     chunk and page buckets and the round's lane bucket are compiled before any clock starts. The prefix cache is off
     meanwhile, so the timed groups find it as they would have (a fresh prefill runs the chunks a resumed one does).
-    Every lane bucket's round too (`precompile`): streams that end apart meet buckets a short warm-up may not."""
-    llm.precompile()
+    Every lane bucket's round is compiled once per engine before this (`precompile` in `main`)."""
     prefix = llm.engine.prefix
     enabled, prefix.enabled = prefix.enabled, False
     try:
@@ -134,6 +133,8 @@ def main():
         cells = [(c, [[p]]) for c, p in (("code edit", CODE), ("code new", CODE_NEW), ("chat", CHAT))]
     cells = [c for c in cells if c[0] in args.cells.split(",")]
     modes = [m for m in (("greedy", {}), ("sampled", SAMPLED)) if m[0] in args.sampling.split(",")]
+    for llm in engines.values():  # every lane bucket's round, once: streams that end apart meet buckets warm-ups miss
+        llm.precompile()
     for name, groups in cells:
         for llm in engines.values():  # a draft: false request runs the same programs (its lanes just propose nothing)
             warm(llm, groups, modes[0][1] if modes else {})

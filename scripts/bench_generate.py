@@ -15,6 +15,11 @@ the built-in prompts with `--per-cell` HELD-OUT prompts of each cell (code edit:
 prompts, chat: chat prompts), which a drafter trained on that set never saw; a row sums their tokens, time and
 rounds, and counts equal hashes. `--streams N` runs N of a cell's prompts at once (N lanes; tok/s is the sum of
 the N streams, tok/round their mean), `--per-cell` rounded up to a multiple of N.
+
+Two speeds a row: `tok/s`, every token of the cell over the wall time of its groups (prompts included, so the
+slowest stream of a group sets it), and `decode tok/s`, each stream's tokens after its first over the time since
+its first arrived (what a streaming client sees, as bench_concurrent.py measures over HTTP), the median stream.
+`x plain` is of decode tok/s, `x plain (wall)` of tok/s.
 """
 
 from __future__ import annotations
@@ -50,7 +55,8 @@ def warm(llm, groups: list[list], params: dict) -> None:
 
 
 def timed_groups(llm, groups: list[list], tokens: int, draft: bool, params: dict):
-    """(tok/s summed over each group's streams, tokens a round, replies): the groups one after another, each
+    """(tok/s summed over each group's streams, the median stream's decode tok/s, tokens a round, replies): the
+    groups one after another, each
     group's prompts at once (every shape compiled first by `warm`), from an empty prefix cache: a mode never resumes
     the prompts an earlier mode left cached (a resumed prefill takes other shapes than the warm-up compiled)."""
     llm.engine.prefix.clear()
@@ -64,7 +70,8 @@ def timed_groups(llm, groups: list[list], tokens: int, draft: bool, params: dict
                 raise SystemExit(f"reply failed (draft={draft}): {out.error}")
         outs += got
     made = sum(len(o.token_ids) for o in outs)
-    return made / spent, sum(o.tokens_per_round for o in outs) / len(outs), outs
+    decode = statistics.median(o.decode_tok_s or 0.0 for o in outs)
+    return made / spent, decode, sum(o.tokens_per_round for o in outs) / len(outs), outs
 
 
 def held_out_cells(path: str, per_cell: int, streams: int) -> list[tuple[str, list[list]]]:
@@ -125,8 +132,8 @@ def main():
     print(f"{args.model} on {jax.devices()[0].device_kind}, jax {jax.__version__}"
           + (f", random {args.random_weights}-bit weights" if args.random_weights is not None else ""))
     notes: list[str] = []
-    print("| cell | mode | tok/s | tok/round | x plain | hash == plain |")
-    print("|---|---|---|---|---|---|")
+    print("| cell | mode | decode tok/s a stream | x plain | tok/s (wall) | x plain (wall) | tok/round | hash == plain |")
+    print("|---|---|---|---|---|---|---|---|")
     if args.prompts:
         cells = held_out_cells(args.prompts, args.per_cell, args.streams)
     else:
@@ -145,25 +152,30 @@ def main():
             if args.plain_twice:
                 rows.append(("plain again", engines["copies"], False))
             rows += [(m, llm, True) for m, llm in engines.items()] if drafted else []
-            speeds, rounds, same, base = {mode: [] for mode, *_ in rows}, {}, {}, None
+            speeds, decodes, rounds, same, base = {m: [] for m, *_ in rows}, {m: [] for m, *_ in rows}, {}, {}, None
             for _ in range(args.runs):  # the modes in turns, so a change in the machine's load hits all alike
                 for mode, llm, draft in rows:
-                    s, rounds[mode], outs = timed_groups(llm, groups, args.tokens, draft, params)
+                    s, d, rounds[mode], outs = timed_groups(llm, groups, args.tokens, draft, params)
                     speeds[mode].append(s)
+                    decodes[mode].append(d)
                     base = base or outs  # the first plain run: every other run's hashes are checked against it
                     equal = [o.token_sha256 == b.token_sha256 for o, b in zip(outs, base, strict=True)]
                     same[mode] = min(same.get(mode, len(base)), sum(equal))
                     notes += [f"{name} #{k}, {sampling}, {mode}: {first_difference(b.token_ids, o.token_ids)}"
                               for k, (o, b, e) in enumerate(zip(outs, base, equal, strict=True)) if not e]
-            plain = statistics.median(speeds["plain"])
+            plain, plain_decode = statistics.median(speeds["plain"]), statistics.median(decodes["plain"])
             for mode, *_ in rows:
-                med = statistics.median(speeds[mode])
-                spread = f" ({min(speeds[mode]):.1f}..{max(speeds[mode]):.1f})" if args.runs > 1 else ""
+                med, dec = statistics.median(speeds[mode]), statistics.median(decodes[mode])
                 equal = "-" if mode == "plain" else f"{same[mode]}/{len(base)}"
-                print(f"| {label}, {sampling} | {mode} | {med:.1f}{spread} | {rounds[mode]:.2f} | {med / plain:.2f} | "
-                      f"{equal} |", flush=True)
+                print(f"| {label}, {sampling} | {mode} | {dec:.1f}{spread(decodes[mode])} | {dec / plain_decode:.2f} | "
+                      f"{med:.1f}{spread(speeds[mode])} | {med / plain:.2f} | {rounds[mode]:.2f} | {equal} |", flush=True)
     for note in notes:
         print(note)
+
+
+def spread(values: list[float]) -> str:
+    """" (min..max)" of several runs, nothing for one."""
+    return f" ({min(values):.1f}..{max(values):.1f})" if len(values) > 1 else ""
 
 
 def first_difference(a: list[int], b: list[int]) -> str:

@@ -218,3 +218,30 @@ def test_a_finished_sampled_request_leaves_its_lane_greedy(target):
     params = engine.runner.state.sampling
     assert not np.asarray(params.temperature).any() and not np.asarray(params.top_k).any()
     assert np.all(np.asarray(params.top_p) == 1.0)
+
+
+def test_a_result_times_its_first_token_and_its_decode_apart(target, monkeypatch):
+    """ttft_s runs from submit through the prefill; decode_s from the first token to the round that ended the
+    request: a fake clock advanced 5 s by the prefill and 1 s by each round read gives exactly those."""
+    import types
+
+    from tfjax.engine import engine as engine_mod
+
+    now = [100.0]
+    monkeypatch.setattr(engine_mod, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    engine = Engine(target, LANES, eos_ids=())
+    prefill, collect = engine.runner.prefill, engine.runner.collect
+
+    def slow_prefill(*a, **k):
+        now[0] += 5.0
+        return prefill(*a, **k)
+
+    def slow_collect(out):
+        now[0] += 1.0
+        return collect(out)
+
+    engine.runner.prefill, engine.runner.collect = slow_prefill, slow_collect
+    got = engine.run([Request(_repetitive_prompt(81), max_tokens=6)])[0]
+    assert got.ttft_s == 5.0
+    assert got.decode_s == float(got.rounds) and got.rounds >= 1  # one read a round, each the next one's tokens
+    assert len(got.token_ids) == 6

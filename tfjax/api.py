@@ -29,6 +29,15 @@ class Generation:
     cached_tokens: int = 0  # prompt tokens resumed from the prefix cache instead of prefilled
     logprobs: list[float] | None = None  # per token, when asked (`logprobs=True` or `top_logprobs`)
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per token: (id, logprob), most likely first
+    ttft_s: float | None = None  # seconds from submit to the first token (queueing and prefill)
+    decode_s: float | None = None  # seconds from the first token to the last
+
+    @property
+    def decode_tok_s(self) -> float | None:
+        """Decode speed after the first token, as a streaming client sees it (None under two tokens)."""
+        if self.decode_s is None or self.decode_s <= 0 or len(self.token_ids) < 2:
+            return None
+        return (len(self.token_ids) - 1) / self.decode_s
 
 
 # Sampling fields a checkpoint's generation_config.json may set for requests that leave them out (as vLLM does),
@@ -160,7 +169,7 @@ class LLM:
     def _reply(self, r: Result) -> Generation:
         return Generation(self.tokenizer.decode(r.token_ids, skip_special_tokens=True), r.token_ids, r.token_sha256,
                           r.finish_reason, r.tokens_per_round, r.prompt_tokens, r.error, cached_tokens=r.cached_tokens,
-                          logprobs=r.logprobs, top_logprobs=r.top_logprobs)
+                          logprobs=r.logprobs, top_logprobs=r.top_logprobs, ttft_s=r.ttft_s, decode_s=r.decode_s)
 
     def generate(self, prompt: str | list[dict], **kw) -> Generation:
         """Generate for one prompt (text, or chat messages)."""

@@ -103,6 +103,7 @@ def main():
     ap.add_argument("--random-weights", type=int, default=None, metavar="BITS",
                     help="random MLX BITS-bit weights of the --model folder's geometry (config and tokenizer)")
     ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--streams", type=int, default=1, help="concurrent copies of the prompt (lanes = streams)")
     args = ap.parse_args()
     if args.structure:
         print_structure(args)
@@ -114,7 +115,7 @@ def main():
 
     from tfjax import api
 
-    kw = dict(lanes=1, drafter=args.drafter, context=args.context)
+    kw = dict(lanes=args.streams, drafter=args.drafter, context=args.context)
     if args.random_weights is not None:
         from tfjax import models
         from tfjax.config import ModelConfig, QuantConfig
@@ -127,15 +128,19 @@ def main():
 
         kw["model"] = (nnx.merge(graphdef, params), config)
     llm = api.load(args.model, **(kw | ({"copy_match": args.copy_match} if args.copy_match else {"copies": False})))
-    llm.generate(PROMPT, max_tokens=8, ignore_eos=True)  # compile outside the trace
+    llm.precompile()  # every lane bucket's round, outside the trace
+    prompts = [PROMPT] * args.streams
+    llm.generate_many(prompts, max_tokens=8, ignore_eos=True)  # the prompt programs too
     out = Path(args.out)
     with jax.profiler.trace(str(out), create_perfetto_trace=True):
         t = time.perf_counter()
-        gen = llm.generate(PROMPT, max_tokens=args.tokens, ignore_eos=True)
+        gens = llm.generate_many(prompts, max_tokens=args.tokens, ignore_eos=True)
         wall = time.perf_counter() - t
-    rounds = len(gen.token_ids) / gen.tokens_per_round
+    gen = gens[0]
+    rounds = len(gen.token_ids) / gen.tokens_per_round  # the streams decode the same prompt: the same rounds
     print(f"{args.model} on {jax.devices()[0].device_kind}; drafter {args.drafter}; copy_match {args.copy_match}; "
-          f"{len(gen.token_ids)} tokens, {gen.tokens_per_round:.2f} a round; trace under {out}")
+          f"{args.streams} streams; {len(gen.token_ids)} tokens a stream, {gen.tokens_per_round:.2f} a round; "
+          f"trace under {out}")
     events = latest_events(out)
     if not events:
         raise SystemExit(f"no GPU kernels in the trace ({jax.default_backend()} run): the table needs a GPU")

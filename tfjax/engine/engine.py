@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 
 import jax
 
@@ -45,6 +46,8 @@ class Result:
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache (not prefilled)
     logprobs: list[float] | None = None  # per token, when the request asked (Request.logprobs)
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per token: (id, logprob), most likely first
+    ttft_s: float | None = None  # seconds from submit to the first token (queueing and prefill)
+    decode_s: float | None = None  # seconds from the first token to the last one's arrival on the host
 
     @property
     def token_sha256(self) -> str:
@@ -80,6 +83,7 @@ class Engine:
 
     def submit(self, request: Request) -> int:
         self._processors(request)  # bad penalties or logit_bias: a ValueError for the caller, not a failed lane
+        request.submitted_at = time.perf_counter()
         with self.lock:
             self.scheduler.submit(request)
         return request.id
@@ -151,10 +155,13 @@ class Engine:
         if release:
             self.runner.release(lane)
         wants = self._wants_logprobs(slot.request)
+        first, submitted = slot.first_token_at, slot.request.submitted_at
         self._complete(slot.request, Result(slot.request.id, len(slot.request.prompt), slot.output,
                                             slot.finish_reason or "stop", slot.rounds, slot.proposed, slot.error,
                                             cached_tokens=slot.plan.resume, logprobs=slot.logprobs if wants else None,
-                                            top_logprobs=slot.top_logprobs if wants else None))
+                                            top_logprobs=slot.top_logprobs if wants else None,
+                                            ttft_s=None if first is None or submitted is None else first - submitted,
+                                            decode_s=None if first is None else time.perf_counter() - first))
 
     def _fail(self, lane: int, error: Exception) -> None:
         """End one lane's request with finish_reason "error"; the other lanes go on."""
@@ -184,6 +191,7 @@ class Engine:
                                     plan.restore, plan.saves, proc=self._processors(req), token_grammar=req.grammar)
         self.prefix.commit(req.prompt, plan)
         slot = self.scheduler.running[lane]
+        slot.first_token_at = time.perf_counter()
         kept = self.scheduler.take(lane, [first], self.eos_ids)
         if self._wants_logprobs(req):
             lp = jax.device_get(self.runner.first_logprobs)

@@ -46,6 +46,7 @@ class Request:
     on_logprobs: Callable[[list[float], list[list[tuple[int, float]]]], None] | None = None
     on_finish: Callable[[Any], None] | None = None  # gets the Result (then it is not kept in engine.results)
     args: dict | None = None  # the LLM.request arguments it was made from: other processes rebuild it (lockstep)
+    submitted_at: float | None = None  # time.perf_counter() when the engine took it (Engine.submit)
     id: int = dataclasses.field(default_factory=itertools.count().__next__)
 
 
@@ -63,6 +64,7 @@ class LaneSlot:
     error: str | None = None
     logprobs: list[float] = dataclasses.field(default_factory=list)  # per output token, when asked
     top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    first_token_at: float | None = None  # time.perf_counter() when its first token (the prompt's sample) was known
 
 
 class Scheduler:

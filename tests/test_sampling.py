@@ -243,11 +243,20 @@ def test_default_seed_is_a_stable_31_bit_hash_of_the_prompt():
     assert 0 <= seed < 2**31 and default_seed(prompt + [1]) != seed
 
 
+def _full_vocabulary_formula(logits, positions, params) -> np.ndarray:
+    """The keyed draw over the whole vocabulary: full-sort filter mask, noise for every id."""
+    from tfjax.sampling import _keep_mask
+
+    scaled = logits / params.temperature[:, None, None] + 0.0
+    log_norm = jax.nn.logsumexp(scaled, axis=-1, keepdims=True)
+    keep = _keep_mask(scaled, params.top_k, params.top_p, params.min_p, log_norm)
+    noise = gumbel_noise(params.seed[:, None, None], positions[..., None], jnp.arange(logits.shape[-1]))
+    return np.asarray(jnp.argmax(jnp.where(keep, scaled + noise, -jnp.inf), axis=-1))
+
+
 def test_candidate_path_draws_what_the_full_vocabulary_formula_draws():
     """Lanes with top_k within CANDIDATES sample among lax.top_k candidates: the same token as the formula
     over the whole vocabulary (full-sort filter mask, noise for every id)."""
-    from tfjax.sampling import _keep_mask
-
     rng = np.random.default_rng(5)
     logits = rng.standard_normal((3, 4, 1000)).astype(np.float32)
     logits[..., 500:520] = logits[..., :20]  # ties across ids
@@ -256,8 +265,21 @@ def test_candidate_path_draws_what_the_full_vocabulary_formula_draws():
     params = SamplingParams.create(3, temperature=[1.0, 0.7, 1.5], top_k=[20, 1, 256], top_p=[0.9, 1.0, 0.5],
                                    min_p=[0.0, 0.0, 0.05], seed=[1, 2, 3])
     tokens = np.asarray(sample_jit(logits, positions, params))
-    scaled = logits / params.temperature[:, None, None] + 0.0
-    keep = _keep_mask(scaled, params.top_k, params.top_p, params.min_p)
-    noise = gumbel_noise(params.seed[:, None, None], positions[..., None], jnp.arange(1000))
-    expect = np.asarray(jnp.argmax(jnp.where(keep, scaled + noise, -jnp.inf), axis=-1))
-    assert np.array_equal(tokens, expect)
+    assert np.array_equal(tokens, _full_vocabulary_formula(logits, positions, params))
+
+
+def test_top_p_and_min_p_without_top_k_draw_the_full_formulas_token_inside_or_past_the_candidates():
+    """A lane with top-p or min-p and no top-k samples among the candidates when its nucleus closes inside them
+    (peaked rows), else over the sorted vocabulary (flat rows): either way the full formula's token, with ties."""
+    rng = np.random.default_rng(9)
+    logits = rng.standard_normal((4, 6, 1000)).astype(np.float32)
+    logits[:, :3] *= 6.0  # peaked rows: a 0.9 nucleus of a few dozen tokens, inside the 256 candidates
+    logits[:, 3:] *= 0.05  # flat rows: a 0.9 nucleus of ~900 tokens, past them
+    logits[..., 600:640] = logits[..., :40]  # ties across ids
+    logits = jnp.asarray(np.round(logits, 2))
+    positions = jnp.asarray(rng.integers(0, 5000, (4, 6)), jnp.int32)
+    params = SamplingParams.create(4, temperature=[1.0, 0.8, 1.2, 1.0], top_k=0, top_p=[0.9, 0.95, 1.0, 0.5],
+                                   min_p=[0.0, 0.0, 0.1, 0.02], seed=[4, 5, 6, 7])
+    tokens = np.asarray(sample_jit(logits, positions, params))
+    assert np.array_equal(tokens, _full_vocabulary_formula(logits, positions, params))
+    assert len(set(tokens[0].tolist())) > 1  # drawn, not argmax

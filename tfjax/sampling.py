@@ -162,7 +162,6 @@ def sample(logits: jax.Array, positions: jax.Array, params: SamplingParams) -> j
         scaled = logits / t + 0.0  # + 0.0 turns -0.0 into 0.0 so sort and compare agree on ties
         filtering = ~greedy_lane & ((params.top_k > 0) | (params.top_p < 1) | (params.min_p > 0))
         n = min(CANDIDATES, vocab)
-        log_norm = jax.nn.logsumexp(scaled, axis=-1, keepdims=True)  # the whole vocabulary's, for lanes without top-k
         # A row's path depends only on its own lane's filters and logits, so its token never depends on its
         # neighbours: a top-k within the candidates always takes them; top-p or min-p alone take them when the
         # nucleus closes inside them (its cutoff short of n), else the full sort.
@@ -176,6 +175,7 @@ def sample(logits: jax.Array, positions: jax.Array, params: SamplingParams) -> j
             # (one barrier per output: a barrier over top_k's tuple crashed XLA's SPMD partitioner under a mesh)
             vals, ids = (jax.lax.optimization_barrier(a) for a in jax.lax.top_k(scaled, n))
             rank = jax.lax.broadcasted_iota(jnp.int32, vals.shape, vals.ndim - 1)
+            log_norm = jax.nn.logsumexp(scaled, axis=-1, keepdims=True)  # the whole vocabulary's (lanes without top-k)
             c = _cutoff(vals, params.top_k, params.top_p, params.min_p, log_norm)  # [L, R]
             score = jnp.where(rank < c[..., None], vals + gumbel_noise(seed, pos, ids), -jnp.inf)
             closed = tried[:, None] & (short[:, None] | (c < n))  # [L, R]: the cutoff fell inside the candidates
@@ -184,7 +184,8 @@ def sample(logits: jax.Array, positions: jax.Array, params: SamplingParams) -> j
         def over_vocabulary() -> jax.Array:
             ids = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, scaled.ndim - 1)
             keep = jax.lax.cond(jnp.any(filtering[:, None] & ~closed),
-                                lambda: _keep_mask(scaled, params.top_k, params.top_p, params.min_p, log_norm),
+                                lambda: _keep_mask(scaled, params.top_k, params.top_p, params.min_p,
+                                                   jax.nn.logsumexp(scaled, axis=-1, keepdims=True)),
                                 lambda: jnp.ones(scaled.shape, dtype=bool))
             score = jnp.where(keep, scaled + gumbel_noise(seed, pos, ids), -jnp.inf)
             return _first_best(score, ids, vocab)

@@ -56,9 +56,9 @@ def warm(llm, groups: list[list], params: dict) -> None:
 
 def timed_groups(llm, groups: list[list], tokens: int, draft: bool, params: dict):
     """(tok/s summed over each group's streams, the median stream's decode tok/s, tokens a round, replies): the
-    groups one after another, each
-    group's prompts at once (every shape compiled first by `warm`), from an empty prefix cache: a mode never resumes
-    the prompts an earlier mode left cached (a resumed prefill takes other shapes than the warm-up compiled)."""
+    groups one after another, each group's prompts at once (every shape compiled first by `warm`), from an empty
+    prefix cache: a mode never resumes the prompts an earlier mode left cached (a resumed prefill takes other
+    shapes than the warm-up compiled)."""
     llm.engine.prefix.clear()
     spent, outs = 0.0, []
     for group in groups:

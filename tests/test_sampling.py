@@ -248,8 +248,7 @@ def _full_vocabulary_formula(logits, positions, params) -> np.ndarray:
     from tfjax.sampling import _keep_mask
 
     scaled = logits / params.temperature[:, None, None] + 0.0
-    log_norm = jax.nn.logsumexp(scaled, axis=-1, keepdims=True)
-    keep = _keep_mask(scaled, params.top_k, params.top_p, params.min_p, log_norm)
+    keep = _keep_mask(scaled, params.top_k, params.top_p, params.min_p)
     noise = gumbel_noise(params.seed[:, None, None], positions[..., None], jnp.arange(logits.shape[-1]))
     return np.asarray(jnp.argmax(jnp.where(keep, scaled + noise, -jnp.inf), axis=-1))
 

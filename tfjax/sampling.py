@@ -118,16 +118,20 @@ def _cutoff(vals: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Arra
     return jnp.minimum(jnp.minimum(c_k, c_p), c_m)  # (c_m >= 1: the top always passes)
 
 
-def _keep_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
-               log_norm: jax.Array) -> jax.Array:
+def _keep_mask(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
     """Tokens that survive top-k, top-p and min-p over the whole vocabulary (one full sort): bool [L, R, V]."""
     ids = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, scaled.ndim - 1)  # [L, R, V]
     neg_sorted, ids_sorted = jax.lax.sort((-scaled, ids), dimension=scaled.ndim - 1, num_keys=2)
     vals = -neg_sorted  # descending values, ties by ascending id
-    c = _cutoff(vals, top_k, top_p, min_p, log_norm)
+    c = _cutoff(vals, top_k, top_p, min_p, _log_norm(scaled))
     last_val = jnp.take_along_axis(vals, c[..., None] - 1, axis=-1)  # [L, R, 1]
     last_id = jnp.take_along_axis(ids_sorted, c[..., None] - 1, axis=-1)
     return (scaled > last_val) | ((scaled == last_val) & (ids <= last_id))
+
+
+def _log_norm(scaled: jax.Array) -> jax.Array:
+    """The whole vocabulary's logsumexp [L, R, 1]: top-p's normaliser for lanes without top-k."""
+    return jax.nn.logsumexp(scaled, axis=-1, keepdims=True)
 
 
 def _first_best(score: jax.Array, ids: jax.Array, vocab: int) -> jax.Array:
@@ -175,8 +179,7 @@ def sample(logits: jax.Array, positions: jax.Array, params: SamplingParams) -> j
             # (one barrier per output: a barrier over top_k's tuple crashed XLA's SPMD partitioner under a mesh)
             vals, ids = (jax.lax.optimization_barrier(a) for a in jax.lax.top_k(scaled, n))
             rank = jax.lax.broadcasted_iota(jnp.int32, vals.shape, vals.ndim - 1)
-            log_norm = jax.nn.logsumexp(scaled, axis=-1, keepdims=True)  # the whole vocabulary's (lanes without top-k)
-            c = _cutoff(vals, params.top_k, params.top_p, params.min_p, log_norm)  # [L, R]
+            c = _cutoff(vals, params.top_k, params.top_p, params.min_p, _log_norm(scaled))  # [L, R]
             score = jnp.where(rank < c[..., None], vals + gumbel_noise(seed, pos, ids), -jnp.inf)
             closed = tried[:, None] & (short[:, None] | (c < n))  # [L, R]: the cutoff fell inside the candidates
             return _first_best(score, ids, vocab), closed
@@ -184,8 +187,7 @@ def sample(logits: jax.Array, positions: jax.Array, params: SamplingParams) -> j
         def over_vocabulary() -> jax.Array:
             ids = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, scaled.ndim - 1)
             keep = jax.lax.cond(jnp.any(filtering[:, None] & ~closed),
-                                lambda: _keep_mask(scaled, params.top_k, params.top_p, params.min_p,
-                                                   jax.nn.logsumexp(scaled, axis=-1, keepdims=True)),
+                                lambda: _keep_mask(scaled, params.top_k, params.top_p, params.min_p),
                                 lambda: jnp.ones(scaled.shape, dtype=bool))
             score = jnp.where(keep, scaled + gumbel_noise(seed, pos, ids), -jnp.inf)
             return _first_best(score, ids, vocab)

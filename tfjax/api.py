@@ -9,10 +9,11 @@ from tfjax import checkpoint, grammar, ops, sharding
 from tfjax.engine import Engine, Request, Result
 from tfjax.lanes.config import LaneConfig
 from tfjax.lanes.drafter import RoundFacts
-from tfjax.models.layers import serving_layout
+from tfjax.models.layers import serving_layout, use_int8
 from tfjax.tokenizer import Tokenizer
 
 PREFIX_CACHE_GB = 2.0  # device memory for cached prompt prefixes beyond the lanes' own pages (0: off)
+QUANTIZE = ("none", "int8")  # "int8": dense weights requantized per channel, activations per row (`tfjax.int8`)
 
 
 @dataclasses.dataclass
@@ -71,8 +72,12 @@ class LLM:
     def __init__(self, path: Path, *, drafter: str | Path | None = None, lanes: int = 4, width: int = 8,
                  context: int = 2048, copy_match: int = 0, copies: bool = True, dtype: str | None = None,
                  model=None, prefix_cache_gb: float = PREFIX_CACHE_GB, tp: int | None = None, dp: int = 1,
-                 prefill_chunk: int | None = None):
+                 prefill_chunk: int | None = None, quantize: str = "none"):
         self.path = path
+        if quantize not in QUANTIZE:
+            raise ValueError(f"quantize={quantize!r} is not one of {', '.join(QUANTIZE)}")
+        if quantize != "none" and tp is not None:
+            raise ValueError(f"quantize={quantize!r} does not run tensor parallel yet: leave out tp")
         # tp: tensor parallel over a (data=dp, model=tp) mesh, exact across tp (`tfjax.sharding`); None: one device
         mesh = sharding.serving_mesh(tp, dp, lanes)
         # `model`: an already built (module, config) for this folder's tokenizer, e.g. random weights for timing
@@ -99,6 +104,8 @@ class LLM:
                 continue
             if kernels.pallas:  # the GPU serving layout, once here: fused projections, kernel packing
                 serving_layout(m)
+            if quantize == "int8":  # after the serving layout: fused projections requantize as one
+                use_int8(m)
             if mesh is not None:  # a drafter stays whole on every device: its proposals never change the tokens
                 sharding.replicate(m, mesh)
         self.lanes = LaneConfig(capacity=lanes, width=width, context=context)

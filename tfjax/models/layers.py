@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tfjax import ops
+from tfjax import int8, ops
 from tfjax.config import ModelConfig
 from tfjax.ops import KVPages
 
@@ -67,7 +67,7 @@ class Linear(nnx.Module):
     def __init__(self, d_in: int, d_out: int, *, bias: bool = False, quant: tuple[int, int] | None = None,
                  dtype, rngs: nnx.Rngs):
         self.quant = quant
-        self.layout = "mlx"  # "kernel" or "pairs" after `use_kernel_layout` (static: part of the graphdef)
+        self.layout = "mlx"  # "kernel"/"pairs" after `use_kernel_layout`, "int8" after `use_int8` (static)
         if quant is None:
             w = jax.random.normal(rngs.params(), (d_out, d_in), jnp.float32) * (1.0 / d_in**0.5)
             self.weight = nnx.Param(w.astype(dtype))
@@ -83,6 +83,8 @@ class Linear(nnx.Module):
             return ops.sum_parts(self.partials(x, rows)).astype(x.dtype)
         if self.parts > 1 or self.split == "blocks":
             y = self._blocks(x, rows)
+        elif self.layout == "int8":
+            y = int8.matmul(x, self.weight[...], self.scales[...])
         elif self.quant is None:
             y = ops.matmul(x, self.weight[...], rows=rows)
         else:
@@ -140,6 +142,8 @@ class Embedding(nnx.Module):
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         t = self.table
+        if t.layout == "int8":
+            return int8.rows_of(jnp.take(t.weight[...], ids, axis=0), jnp.take(t.scales[...], ids)).astype(self.dtype)
         if t.quant is None:
             return jnp.take(t.weight[...], ids, axis=0).astype(self.dtype)
         from tfjax import quant
@@ -217,6 +221,22 @@ def serving_layout(model: nnx.Module) -> tuple[int, int]:
     """The GPU serving layout, in place, once after loading: fused projections (fewer launches), then the kernel
     packing (both measured faster on the GPU). Returns (projection groups fused, linears repacked)."""
     return fuse_projections(model), use_kernel_layout(model)
+
+
+def use_int8(model: nnx.Module) -> int:
+    """Requantize every dense Linear (the embedding table and lm_head included) to int8 per output channel, in
+    place, once after loading (`quantize="int8"`, `tfjax.int8`); MLX-quantized ones keep their format. Returns
+    how many were converted."""
+    done = 0
+    for _, m in nnx.iter_modules(model):
+        if not isinstance(m, Linear) or m.quant is not None or m.layout != "mlx":
+            continue
+        if m.parts > 1 or m.split != "row":
+            raise ValueError("quantize='int8' does not run tensor parallel yet: load with tp=None")
+        codes, scales = int8.quantize_channels(m.weight[...])
+        m.weight, m.scales, m.layout = nnx.Param(codes), nnx.Param(scales), "int8"
+        done += 1
+    return done
 
 
 def use_kernel_layout(model: nnx.Module) -> int:

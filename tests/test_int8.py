@@ -103,3 +103,14 @@ def test_an_unknown_quantize_value_and_int8_with_tp_are_clear_errors(tmp_path):
         api.LLM(tmp_path, quantize="int4")
     with pytest.raises(ValueError, match="tensor parallel"):
         api.LLM(tmp_path, quantize="int8", tp=1)
+
+
+def test_fused_projections_in_int8_give_the_unfused_logits_bit_for_bit():
+    from tests.helpers import prefill_then_steps
+    from tfjax.models.layers import fuse_projections
+
+    tokens = np.random.default_rng(0).integers(0, 250, 12).astype(np.int32)
+    plain, fused = models.build(geometry.tiny_dense, seed=3), models.build(geometry.tiny_dense, seed=3)
+    assert fuse_projections(fused) > 0
+    use_int8(plain), use_int8(fused)
+    np.testing.assert_array_equal(prefill_then_steps(fused, tokens, 8), prefill_then_steps(plain, tokens, 8))

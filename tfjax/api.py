@@ -9,7 +9,7 @@ from tfjax import checkpoint, grammar, ops, sharding
 from tfjax.engine import Engine, Request, Result
 from tfjax.lanes.config import LaneConfig
 from tfjax.lanes.drafter import RoundFacts
-from tfjax.models.layers import serving_layout, use_int8
+from tfjax.models.layers import fuse_projections, serving_layout, use_int8
 from tfjax.tokenizer import Tokenizer
 
 PREFIX_CACHE_GB = 2.0  # device memory for cached prompt prefixes beyond the lanes' own pages (0: off)
@@ -104,7 +104,8 @@ class LLM:
                 continue
             if kernels.pallas:  # the GPU serving layout, once here: fused projections, kernel packing
                 serving_layout(m)
-            if quantize == "int8":  # after the serving layout: fused projections requantize as one
+            if quantize == "int8":  # siblings fused first (one quantization of their input; bit-identical)
+                fuse_projections(m)
                 use_int8(m)
             if mesh is not None:  # a drafter stays whole on every device: its proposals never change the tokens
                 sharding.replicate(m, mesh)

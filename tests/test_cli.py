@@ -96,6 +96,21 @@ def test_tp_and_dp_reach_tfjax_load_under_the_same_names(monkeypatch, argv, want
     assert (seen["tp"], seen["dp"]) == want
 
 
+@pytest.mark.parametrize("argv,want", [(["generate", "m", "hi", "--quantize", "int8"], "int8"),
+                                       (["serve", "m", "--quantize", "int8"], "int8"), (["chat", "m"], "none")])
+def test_quantize_reaches_tfjax_load_under_the_same_name(monkeypatch, argv, want):
+    seen = {}
+    monkeypatch.setattr(api, "load", lambda model, **kw: seen.update(kw))
+    cli._load(cli.parser().parse_args(argv), lanes=4)
+    assert seen["quantize"] == want
+
+
+def test_an_unknown_quantize_value_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.parser().parse_args(["generate", "m", "hi", "--quantize", "int4"])
+    assert e.value.code == 2 and "int4" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv,want", [
     (["--coordinator", "host0:1234", "--num-processes", "2", "--process-id", "1"], ("host0:1234", 2, 1)),
     (["--distributed"], (None, None, None)),  # JAX reads JAX_COORDINATOR_ADDRESS, ... or the cluster's environment

@@ -8,7 +8,8 @@ TTFT = the time to the first token of the prompt (22 tokens with SmolLM2's token
     python scripts/bench_cpu.py [--tokens 64] [--reps 5] [--engines tfjax,tfjax-lanes1,transformers,llama.cpp]
 
 `tfjax` is `tfjax.load("smollm2")` as the README calls it (4 lanes); `tfjax-lanes1` passes `lanes=1`;
-`tfjax-f32` loads float32 weights; `tfjax-int8` is `tfjax.load("smollm2", quantize="int8")`. Compile time is excluded (two warm-up turns each: cold, then resumed from the prefix cache).
+`tfjax-f32` loads float32 weights; `tfjax-int8` is `tfjax.load("smollm2", quantize="int8")`. Compile time is
+excluded (two warm-up turns each: cold, then resumed from the prefix cache).
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ def main() -> None:
         except ImportError as e:
             print(f"# {name}: not measured ({e})")
             continue
-        for _ in range(2):  # compile / warm: the second turn resumes the prompt from tfjax's prefix cache, its own program
+        for _ in range(2):  # compile / warm: the second turn resumes from tfjax's prefix cache, a program of its own
             engines[name].run(args.tokens)
     print(f"# load average before: {load_average()}  cores: {os.cpu_count()}")
     ttft = {k: [] for k in engines}

@@ -40,11 +40,10 @@ def rotate(a: jax.Array) -> jax.Array:
 
 
 def quantize_channels(w: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """A weight [out, in] -> (int8 codes [out, in], float32 scales [out]): rotate(w) ~= codes * scales[:, None]."""
-    wf = rotate(w.astype(jnp.float32))
-    scale = jnp.max(jnp.abs(wf), axis=1) / LEVELS
-    codes = jnp.round(wf / jnp.where(scale == 0, 1.0, scale)[:, None])
-    return codes.astype(jnp.int8), scale
+    """A weight [out, in] -> (int8 codes [out, in], float32 scales [out]): rotate(w) ~= codes * scales[:, None]
+    (each output channel quantized as an activation row is)."""
+    codes, scale = quantize_rows(w)
+    return codes, scale[:, 0]
 
 
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:

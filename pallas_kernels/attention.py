@@ -266,6 +266,15 @@ def gather_pages(pages: KVPages, page_table: jax.Array) -> tuple[jax.Array, jax.
     return k, v
 
 
+def paged_keys(k: jax.Array, v: jax.Array, page: int) -> tuple[KVPages, jax.Array]:
+    """Lanes' keys and values [B, S, G, E] (S a multiple of `page`) as a pool and a table, lane b on pages
+    b * n .. b * n + n - 1: `gather_pages`'s inverse (benchmarks and tests)."""
+    b, s = k.shape[:2]
+    n = s // page
+    pool = KVPages(k.reshape(b * n, page, *k.shape[2:]), v.reshape(b * n, page, *v.shape[2:]))
+    return pool, jnp.arange(b * n, dtype=jnp.int32).reshape(b, n)
+
+
 def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, rows: bool = False, *,
                         gpu: bool = False) -> jax.Array:
     """Causal GQA attention of q [B, T, H, E] over k, v [B, S, G, E]; key s is seen by a row at p iff s <= p.

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import attention as pk
+from tfjax import ops
 from tfjax.engine import Engine, Request
 from tfjax.lanes.config import LaneConfig
 
@@ -52,12 +53,24 @@ def test_prompt_chunks_are_padded_to_a_bucket_of_their_length_and_pages(target):
     assert [t for t, *_ in shapes(64 + 22)] == [64, 24] and shapes(5)[0][0] == 8 and shapes(40)[0][0] == 40
     assert shapes(64 + 22, resume=64) == shapes(64 + 22)[1:]
     runner.chunk = runner.grain = 256
-    runner.prompt_reads_its_keys = runner.reference_prompt = False  # a kernel's: powers of two of rows and pages
+    runner.reference_prompt = False  # the flash kernel's: powers of two of rows, the whole table
+    assert shapes(22) == [(32, 0, 22, 64)] and shapes(300) == [(256, 0, 256, 64), (64, 256, 44, 64)]
+    runner.prompt_reads_its_keys = False  # a mesh's gathering reference: powers of two of rows and pages
     assert shapes(22) == [(32, 0, 22, 2)]
     assert shapes(5) == [(16, 0, 5, 1)]
     assert shapes(300) == [(256, 0, 256, 16), (64, 256, 44, 32)]
     assert shapes(300, resume=256) == shapes(300)[1:]  # a resume runs the chunks a fresh prefill runs
     assert shapes(1000)[-1] == (256, 768, 232, 64)  # never past the lane's pages
+
+
+def test_a_prompt_takes_the_whole_table_where_its_attention_walks_only_the_tiles_it_reaches():
+    """The flash kernel (its head dims, any mesh) and the reference without a mesh read key tiles up to the chunk's
+    last row: a lane's whole table, one prompt program a row count. A mesh's reference gathers the table's pages."""
+    mesh = object()
+    assert ops.prompt_reads_its_keys(ops.PALLAS, 128, None) and ops.prompt_reads_its_keys(ops.PALLAS, 64, mesh)
+    assert ops.prompt_reads_its_keys(ops.REFERENCE, 80, None) and ops.prompt_reads_its_keys(ops.PALLAS, 80, None)
+    assert not ops.prompt_reads_its_keys(ops.REFERENCE, 128, mesh) and not ops.prompt_reads_its_keys(ops.PALLAS, 80,
+                                                                                                      mesh)
 
 
 def _pages(rng, n_pages, page=16, g=2, e=32):
@@ -147,3 +160,22 @@ def test_precompiled_rounds_leave_nothing_to_compile_when_lanes_end_apart(target
     assert engine.runner.round_buckets() == [(0,), (0, 1), None]
     assert round_compiles(engine.runner.compile_rounds) == 3
     assert round_compiles(lambda: engine.run(requests)) == 0
+
+
+def test_precompiled_prompts_leave_nothing_to_compile_for_any_prompt_length(target, caplog):
+    """`compile_prompts` compiles one prompt program a row count (the lane's whole table, whatever the prompt's
+    depth); prompts of every length then compile no prompt program of their own."""
+    import jax
+
+    def prompt_compiles(fn) -> int:
+        caplog.clear()
+        with jax.log_compiles(True), caplog.at_level("WARNING", logger="jax"):
+            fn()
+        return sum("Compiling jit(prefill_chunk)" in r.getMessage() for r in caplog.records)
+
+    engine = Engine(target, LaneConfig(capacity=1, width=3, context=176, page_size=16), eos_ids=(), prefill_chunk=16)
+    runner = engine.runner
+    assert sorted({runner._rows(n) for n in range(1, 17)}) == [8, 16]
+    assert prompt_compiles(runner.compile_prompts) == 2
+    requests = [Request(_prompt(20 + n, n), max_tokens=2) for n in (3, 13, 30, 150)]
+    assert prompt_compiles(lambda: engine.run(requests)) == 0

@@ -490,12 +490,14 @@ def paged_attention(q: jax.Array, pages: KVPages, page_table: jax.Array, positio
                     rows: bool = False, valid: jax.Array | None = None) -> jax.Array:
     """Attention of q rows over a lane's pages.
 
-    With kernels, a prompt chunk gathers the lane's keys and takes the causal flash kernel (6-10x the paged kernel
-    on the H200); lane-round rows (decode, verify) take the row-invariant Mosaic GPU paged kernel, or the Triton one
+    With kernels, a prompt chunk takes the causal flash kernel through the lane's table (6-10x the paged kernel on
+    the H200); lane-round rows (decode, verify) take the row-invariant Mosaic GPU paged kernel, or the Triton one
     for dtypes and page sizes it lacks (f32, tests); head dims no kernel takes fall back to the reference. A prompt
-    chunk's reference (the CPU's) walks key tiles up to its last row (`paged_prompt_reference`), so it reads the keys
-    the chunk reaches whatever the table's width; a mesh's gathers them, one head at a time. Under a mesh the kernel runs on each device's own heads (`_kernel_per_shard`). `valid` [B]: each lane's real rows (the
-    first ones); the CPU's lane-round rows skip the others (zeros), the kernels compute them and nobody reads them.
+    chunk's flash kernel and its reference (the CPU's, `paged_prompt_reference`) walk key tiles up to its last row,
+    so they read the keys the chunk reaches whatever the table's width (`prompt_reads_its_keys`); a mesh's
+    reference gathers them, one head at a time. Under a mesh the kernel runs on each device's own heads
+    (`_kernel_per_shard`). `valid` [B]: each lane's real rows (the first ones); the CPU's lane-round rows skip the
+    others (zeros), the kernels compute them and nobody reads them.
     """
     if _gpu() and (kernel := _attention_kernel(q, pages, page_table, rows)) is not None:
         return _kernel_per_shard(kernel, q, pages, page_table, positions)
@@ -514,17 +516,20 @@ def paged_attention(q: jax.Array, pages: KVPages, page_table: jax.Array, positio
     return pk.attention_reference(q, k, v, positions, rows, gpu=_gpu())
 
 
+def prompt_reads_its_keys(kernels: Kernels, head_dim: int, mesh) -> bool:
+    """Whether a prompt chunk's attention reads only the key tiles up to its last row, so a lane's whole table costs
+    no more than the pages it reaches (one program a row count): the flash kernel's head dims, and the reference
+    without a mesh."""
+    return (kernels.pallas and head_dim in fa.HEAD_DIMS) or mesh is None
+
+
 def _attention_kernel(q: jax.Array, pages: KVPages, page_table: jax.Array, rows: bool):
     """The kernel serving these shapes as fn(q, k pages, v pages, table, positions) over any share of the heads, or
     None. Its key split is planned from the whole model's KV heads (`pages`), never a device's share, so each head's
     chunks, hence its bits, are the same at every degree."""
     e, page, g = q.shape[-1], pages.k.shape[1], pages.k.shape[2]
     if not rows and e in fa.HEAD_DIMS:
-        def flash(q, k_pages, v_pages, table, pos):
-            k, v = gather_pages(KVPages(k_pages, v_pages), table)
-            return fa.flash_attention(q, k, v, pos)  # one head a program: no plan to fix
-
-        return flash
+        return fa.flash_attention  # one head a program, through the table: no plan to fix
     if mosaic_attention_serves(e, page, q.dtype, pages.k.dtype):
         per_head = max(1, mgpu_attn.DEFAULT.chunk_programs // g)  # programs a KV head at the whole model's heads
 

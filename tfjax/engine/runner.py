@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tfjax import grammar, models, sampling, sharding
+from tfjax import grammar, models, ops, sampling, sharding
 from tfjax.engine import prefix_cache
 from tfjax.lanes import blocks, snapshots
 from tfjax.lanes import round as lane_round_mod
@@ -35,11 +35,12 @@ class Runner:
         self.target_def, self.target_params = models.split(target)
         self.drafter_def, self.drafter_params = (None, None) if drafter is None else models.split(drafter)
         self.chunk = prefill_chunk or default_prefill_chunk()
-        # the reference prompt path (the CPU's) pads a chunk's tail to fewer rows (`_call`), and without a mesh its
-        # attention walks key tiles up to the chunk's end; a kernel's or a mesh's gathers the table's pages, so there
-        # the table is cut to a power of two of pages
+        # the reference prompt path (the CPU's) pads a chunk's tail to fewer rows (`_call`); where a chunk's attention
+        # walks key tiles up to its end (the flash kernel, the reference without a mesh) it takes the lane's whole
+        # table, else (a mesh's reference gathers the table's pages) the table is cut to a power of two of pages
         self.reference_prompt = not target.kernels.pallas
-        self.prompt_reads_its_keys = self.reference_prompt and getattr(target, "mesh", None) is None
+        self.prompt_reads_its_keys = all(ops.prompt_reads_its_keys(m.kernels, m.config.head_dim, getattr(m, "mesh", None))
+                                         for m in (target, None if self.block_drafter else drafter) if m is not None)
         # where a prefix resume may start: the chunk grid (a resumed prompt runs the fresh prompt's own calls), or any
         # page where a prompt row's bits never depend on the call holding it (its start, rows, offset): the reference
         # path without a mesh over attention-only models (no DeltaNet state between calls; docs/prefix_cache.md
@@ -110,23 +111,52 @@ class Runner:
         return np.asarray(logits), kv
 
     def _call(self, prompt: np.ndarray, s: int, n: int):
-        """One call of `n` tokens at `s`: (tokens [1, C], start, valid, pages). C is the chunk, or for a partial last
-        one a power of two from 16 up holding its tokens (on the reference path, the CPU's, also at most the next
-        multiple of an eighth of the chunk, from 8: a 22-token tail takes 24 rows at 64); `pages` a power of two of
-        pages holding the keys up to its end, or the lane's whole row where the prompt attention reads only the key
-        tiles up to the chunk's last row (the reference's: `ops.paged_attention`; one program a row size). All follow
-        from the call's start and length only, so on the chunk grid a resumed prompt runs exactly the calls a fresh
-        one runs."""
-        step = max(8, self.chunk // 8)
+        """One call of `n` tokens at `s`: (tokens [1, C], start, valid, pages). C is `_rows(n)`; `pages` the lane's
+        whole table where the prompt attention reads only the key tiles up to the chunk's last row (the flash
+        kernel, the reference without a mesh: one program a row count, `compile_prompts`), else a power of two of
+        pages holding the keys up to its end. All follow from the call's start and length only, so on the chunk grid
+        a resumed prompt runs exactly the calls a fresh one runs."""
         piece = prompt[s : s + n]
-        size = min(self.chunk, max(16, 1 << (n - 1).bit_length()))
-        if self.reference_prompt:  # eight row sizes a chunk at most: XLA's CPU dots take any row count
-            size = min(size, -(-n // step) * step)
+        size = self._rows(n)
         tokens = np.zeros((1, size), np.int32)
         tokens[0, : len(piece)] = piece
         need = -(-(s + size) // self.lanes.page_size)
         pages = min(self.lanes.pages_per_lane, 1 << (need - 1).bit_length())
         return jnp.asarray(tokens), s, n, self.lanes.pages_per_lane if self.prompt_reads_its_keys else pages
+
+    def _rows(self, n: int) -> int:
+        """Rows of a call of `n` tokens: a power of two from 16 up to the chunk; on the reference path also at most
+        the next multiple of an eighth of the chunk (from 8): XLA's CPU dots take any row count."""
+        size = min(self.chunk, max(16, 1 << (n - 1).bit_length()))
+        if self.reference_prompt:  # eight row sizes a chunk at most
+            step = max(8, self.chunk // 8)
+            size = min(size, -(-n // step) * step)
+        return size
+
+    def compile_prompts(self) -> int:
+        """Compile, ahead of time and running nothing, every prompt call's program (each row count `_rows` gives;
+        with a block drafter, its absorb too) where a call takes the lane's whole table (`prompt_reads_its_keys`),
+        so the first prompt of a new length stalls no lane; returns how many. Elsewhere (a mesh's gathering
+        reference) the pages vary too and programs compile as met."""
+        if not self.prompt_reads_its_keys:
+            return 0
+        zero, st, count = jnp.int32(0), self.state, 0
+        models = [(self.target_def, self.target_params, st.cache)]
+        if st.draft_cache is not None and not self.block_drafter:
+            models.append((self.drafter_def, self.drafter_params, st.draft_cache))
+        for rows in sorted({self._rows(n) for n in range(1, self.chunk + 1)}):
+            tokens = jnp.zeros((1, rows), jnp.int32)
+            for graphdef, params, cache in models:
+                lowered = lane_round_mod.prefill_chunk.lower(graphdef, params, cache, zero, tokens, zero, zero,
+                                                             pages=self.lanes.pages_per_lane)
+                lowered.compile()
+                count += 1
+            if self.block_drafter:
+                hidden = lowered.out_info[2]
+                blocks.absorb_chunk.lower(self.drafter_def, self.drafter_params, st.draft_cache, zero,
+                                          jnp.zeros(hidden.shape, hidden.dtype), zero, zero).compile()
+                count += 1
+        return count
 
     def _snapshot(self, which: int, cache, lane: int, end: int, saves: dict[int, int]) -> None:
         if end in saves and self.pools[which] is not None:

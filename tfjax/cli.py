@@ -145,8 +145,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--max-body-mb", type=_positive, default=None,
                    help="largest request body in MB; larger get 413 (default: the server's)")
     s.add_argument("--no-precompile", action="store_true",
-                   help="listen at once, without compiling the round of every lane bucket first (1, 2, 4 ... lanes); "
-                        "a bucket first met while serving then stalls every lane while it compiles")
+                   help="listen at once, without compiling the round of every lane bucket (1, 2, 4 ... lanes) and "
+                        "every prompt chunk's program first; one first met while serving then stalls every lane "
+                        "while it compiles")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server log level")
     v = sub.add_parser("convert", help="convert a GGUF file or a bf16 folder (to MLX 4-bit with --bits)",

@@ -141,7 +141,7 @@ def main():
     cells = [c for c in cells if c[0] in args.cells.split(",")]
     modes = [m for m in (("greedy", {}), ("sampled", SAMPLED)) if m[0] in args.sampling.split(",")]
     for llm in engines.values():  # every lane bucket's round, once: streams that end apart meet buckets warm-ups miss
-        llm.precompile()
+        llm.engine.runner.compile_rounds()  # (the prompts' programs: `warm` runs the prompts timed here)
     for name, groups in cells:
         for llm in engines.values():  # a draft: false request runs the same programs (its lanes just propose nothing)
             warm(llm, groups, modes[0][1] if modes else {})

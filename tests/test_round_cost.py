@@ -162,20 +162,23 @@ def test_precompiled_rounds_leave_nothing_to_compile_when_lanes_end_apart(target
     assert round_compiles(lambda: engine.run(requests)) == 0
 
 
-def test_precompiled_prompts_leave_nothing_to_compile_for_any_prompt_length(target, caplog):
+def test_precompiled_prompts_and_admission_leave_nothing_to_compile_for_any_prompt_length(target, caplog):
     """`compile_prompts` compiles one prompt program a row count (the lane's whole table, whatever the prompt's
-    depth); prompts of every length then compile no prompt program of their own."""
+    depth) and `compile_admission` the programs around a prompt; prompts of every length then compile none of them."""
     import jax
 
-    def prompt_compiles(fn) -> int:
+    names = ("prefill_chunk", "_first_token", "admit", "admit_processors", "release")
+
+    def compiles(fn) -> list[str]:
         caplog.clear()
         with jax.log_compiles(True), caplog.at_level("WARNING", logger="jax"):
             fn()
-        return sum("Compiling jit(prefill_chunk)" in r.getMessage() for r in caplog.records)
+        return [n for r in caplog.records for n in names if f"Compiling jit({n})" in r.getMessage()]
 
     engine = Engine(target, LaneConfig(capacity=1, width=3, context=176, page_size=16), eos_ids=(), prefill_chunk=16)
     runner = engine.runner
     assert sorted({runner._rows(n) for n in range(1, 17)}) == [8, 16]
-    assert prompt_compiles(runner.compile_prompts) == 2
+    assert compiles(runner.compile_prompts) == ["prefill_chunk"] * 2
+    assert sorted(compiles(runner.compile_admission)) == ["_first_token", "admit", "admit_processors", "release"]
     requests = [Request(_prompt(20 + n, n), max_tokens=2) for n in (3, 13, 30, 150)]
-    assert prompt_compiles(lambda: engine.run(requests)) == 0
+    assert compiles(lambda: engine.run(requests)) == []

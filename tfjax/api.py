@@ -120,10 +120,10 @@ class LLM:
                                                     draft_block=facts.draft_block))
 
     def precompile(self) -> int:
-        """Compile every lane bucket's round and every prompt call's program now (a server does before it listens),
-        so no first request of a shape stalls the lanes: how many programs."""
+        """Compile every lane bucket's round, every prompt call's program and the small programs around a prompt now
+        (a server does before it listens), so no first request of a shape stalls the lanes: how many programs."""
         runner = self.engine.runner
-        return runner.compile_rounds() + runner.compile_prompts()
+        return runner.compile_rounds() + runner.compile_prompts() + runner.compile_admission()
 
     def encode(self, prompt: str | list[dict] | list[int], chat: bool | None = None) -> list[int]:
         """Token ids of a prompt string, of chat messages rendered with the checkpoint's template, or ids as given."""

@@ -158,6 +158,29 @@ class Runner:
                 count += 1
         return count
 
+    def compile_admission(self) -> int:
+        """Compile, ahead of time and running nothing, the small programs every request runs around its prompt (its
+        first token, the lane's admission with its processors, the release; a block drafter's first block), so the
+        first request after start-up compiles none of them; returns how many. A grammar's table compiles its own."""
+        st, zero = self.state, jnp.int32(0)
+        params, proc = sampling.SamplingParams.create(1), sampling.Processors.for_request(self.vocab, [0])
+        first = jnp.zeros((1,), jnp.int32)
+        programs = [
+            lane_round_mod.admit.lower(st, zero, jnp.zeros((self.lanes.context,), jnp.int32), zero, jnp.bool_(False),
+                                       params, jnp.zeros((self.lanes.pages_per_lane,), jnp.int32)),
+            lane_round_mod.admit_processors.lower(st, zero, proc, first[0], first[0]),
+            lane_round_mod.release.lower(st, zero),
+        ]
+        if getattr(self._models[0], "mesh", None) is None:  # a mesh's logits come sharded: that program as met
+            logits = jnp.zeros((1, self.vocab), jnp.float32)  # the models' logits are float32
+            programs.append(_first_token.lower(logits, zero, params, proc, st.grammar, grammar.start(jnp.int32([-1]))))
+        if self.block_drafter:
+            programs.append(blocks.first_block.lower(self.target_def, self.target_params, self.drafter_def,
+                                                     self.drafter_params, st, zero))
+        for lowered in programs:
+            lowered.compile()
+        return len(programs)
+
     def _snapshot(self, which: int, cache, lane: int, end: int, saves: dict[int, int]) -> None:
         if end in saves and self.pools[which] is not None:
             self.pools[which] = snapshots.save(self.pools[which], cache, jnp.int32(lane), jnp.int32(saves[end]))

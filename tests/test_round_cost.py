@@ -140,18 +140,23 @@ def test_a_resumed_prompt_runs_the_bucketed_chunks_a_fresh_one_runs(target):
 
 
 
+def _compiles(caplog, fn, names) -> list[str]:
+    """The programs among `names` that JAX compiles while `fn` runs, one entry a compile."""
+    import jax
+
+    caplog.clear()
+    with jax.log_compiles(True), caplog.at_level("WARNING", logger="jax"):
+        fn()
+    return [n for r in caplog.records for n in names if f"Compiling jit({n})" in r.getMessage()]
+
+
 @pytest.mark.slow  # ~40 s: five rounds compiled
 def test_precompiled_rounds_leave_nothing_to_compile_when_lanes_end_apart(target, caplog):
     """`compile_rounds` compiles every lane bucket's round (1, 2, 4 lanes); requests that end apart then run buckets
     4, 2 and 1 and compile no round of their own, where an engine without it compiles them mid-stream (stalling
     every lane). Widths no other test uses, so no earlier compile hides one."""
-    import jax
-
     def round_compiles(fn) -> int:
-        caplog.clear()
-        with jax.log_compiles(True), caplog.at_level("WARNING", logger="jax"):
-            fn()
-        return sum("Compiling jit(lane_round)" in r.getMessage() for r in caplog.records)
+        return len(_compiles(caplog, fn, ("lane_round",)))
 
     requests = [Request(_prompt(5 + i, 9), max_tokens=n) for i, n in enumerate((2, 4, 7, 7))]
     cold = Engine(target, LaneConfig(capacity=4, width=3, context=192, page_size=16), eos_ids=())
@@ -170,10 +175,7 @@ def test_precompiled_prompts_and_admission_leave_nothing_to_compile_for_any_prom
     names = ("prefill_chunk", "_first_token", "admit", "admit_processors", "release")
 
     def compiles(fn) -> list[str]:
-        caplog.clear()
-        with jax.log_compiles(True), caplog.at_level("WARNING", logger="jax"):
-            fn()
-        return [n for r in caplog.records for n in names if f"Compiling jit({n})" in r.getMessage()]
+        return _compiles(caplog, fn, names)
 
     jax.clear_caches()  # programs other tests compiled (same tiny shapes) would hide these compiles
     engine = Engine(target, LaneConfig(capacity=1, width=3, context=176, page_size=16), eos_ids=(), prefill_chunk=16)

@@ -7,8 +7,10 @@ Each turn's prompt is the chat so far (earlier messages and replies) plus a new 
 first token is a one-token generation of that prompt (the prefill and the first sample); the reply itself is
 generated after it, `--reply` tokens with EOS ignored, and becomes the next turn's history; the clock starts once
 the engine is idle (the reply's last round, dispatched before its end was known, read). Per run the cache
-starts empty; the first run of each engine only compiles, then runs alternate between the engines (cache off,
-and cache on at each `--chunks` prefill chunk, the prefix cache's resume grid). Every reply's
+starts empty. Each engine is precompiled (`LLM.precompile`, timed: what `tfjax serve` pays before it listens) and
+its first run only compiles what precompile leaves; then runs alternate between cache off (the first engine with
+its cache switched off: the same programs, so a comparison of work, not of compiles) and cache on at each
+`--chunks` prefill chunk (the prefix cache's resume grid). Every reply's
 token_sha256 with the cache on is compared with the cache off (resumed == fresh). `--random-weights BITS` follows bench_generate.py (random MLX
 weights of `--model`'s geometry, or of `--geometry NAME`'s with `--model`'s tokenizer); with random weights the
 turns are built in token space (prompt + reply ids + the next message's ids), since random replies are no text.
@@ -49,9 +51,11 @@ def ttft(llm, prompt_ids: list[int]):
     return time.perf_counter() - t, out
 
 
-def conversation(llm, turns: int, reply: int, token_space: bool):
-    """One run: per turn (prompt tokens, cached tokens, ttft seconds, reply sha256)."""
+def conversation(llm, turns: int, reply: int, token_space: bool, cache: bool = True):
+    """One run: per turn (prompt tokens, cached tokens, ttft seconds, reply sha256); `cache=False` runs the
+    engine with its prefix cache switched off (every prompt prefilled whole, with the same compiled programs)."""
     llm.engine.prefix.clear()  # every run starts from an empty cache
+    llm.engine.prefix.enabled = cache
     messages, ids, rows = [], [], []
     for text in MESSAGES[:turns]:
         messages.append({"role": "user", "content": text})
@@ -104,26 +108,36 @@ def main():
         kw["model"] = random_model(args.model, args.random_weights)
     token_space = args.geometry is not None or args.random_weights is not None
     chunks = [int(c) for c in args.chunks.split(",")] if args.chunks else [None]
-    off = api.load(args.model, prefix_cache_gb=0.0, prefill_chunk=chunks[0], **kw)
-    kw["model"] = (off.model, off.config)  # one set of weights for every engine
-    engines = {f"on {c or off.engine.runner.chunk}": api.load(args.model, prefix_cache_gb=args.prefix_cache_gb,
-                                                              prefill_chunk=c, **kw) for c in chunks}
-    engines["off"] = off
-    ons = [name for name in engines if name != "off"]
+    engines = {}
+    for c in chunks:
+        llm = api.load(args.model, prefix_cache_gb=args.prefix_cache_gb, prefill_chunk=c, **kw)
+        kw["model"] = (llm.model, llm.config)  # one set of weights for every engine
+        engines[f"on {llm.engine.runner.chunk}"] = llm
+    ons = list(engines)
+    off = engines[ons[0]]  # the first engine with its cache switched off: the same programs, every prompt whole
     import jax
 
     print(f"{args.geometry or args.model} on {jax.devices()[0].device_kind}, jax {jax.__version__}"
           + (f", random {args.random_weights}-bit weights" if args.random_weights is not None else "")
-          + f"; {args.turns} turns, {args.reply}-token replies, cache off at prefill chunk {off.engine.runner.chunk}, "
-          f"median (min-max) of {args.runs} runs; load average {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
-    runs = {name: [] for name in engines}
+          + f"; {args.turns} turns, {args.reply}-token replies, cache off = the {ons[0]} engine with its cache "
+          f"switched off, median (min-max) of {args.runs} runs; load average "
+          f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
+    for name, llm in engines.items():
+        t = time.perf_counter()
+        n = llm.precompile()
+        print(f"{name}: precompile {n} programs in {time.perf_counter() - t:.1f} s", flush=True)
+    runs = {name: [] for name in ["off", *ons]}
+    conversation(off, args.turns, args.reply, token_space, cache=False)  # compiles what precompile does not
     for llm in engines.values():
-        conversation(llm, args.turns, args.reply, token_space)  # compiles every chunk count the runs meet
+        conversation(llm, args.turns, args.reply, token_space)
     one_message = off.encode([{"role": "user", "content": MESSAGES[0]}])
     single = []
     for _ in range(args.runs):  # the engines alternate, so a change in the machine's load hits all alike
+        runs["off"].append(conversation(off, args.turns, args.reply, token_space, cache=False))
         for name, llm in engines.items():
             runs[name].append(conversation(llm, args.turns, args.reply, token_space))
+        off.engine.prefix.clear()
+        off.engine.prefix.enabled = False
         single.append(ttft(off, one_message)[0])
     one = statistics.median(single)
     print("| turn | prompt tokens | TTFT off, ms | " + " | ".join(

@@ -145,6 +145,20 @@ def test_a_prompt_products_dequantization_waits_for_its_input(layout):
     assert x_var in readers[0].invars
 
 
+def test_prompt_products_take_the_mosaic_kernel_up_to_a_whole_chunk_and_the_triton_kernels_up_to_64_rows():
+    """The Mosaic kernel beats XLA's dequantize-then-dot at 128 and 256 prompt rows on dense27 (H100); the Triton
+    kernels lost to it past 64 rows, and a product of more rows than a chunk holds goes to XLA's dot."""
+    def path(n, k, count, packed=True, rows=False):
+        return ops.qmatmul_path(n, k, bits=4, group_size=64, layout="pairs", packed=packed, row_count=count,
+                                rows=rows, kernels=ops.PALLAS)
+
+    assert [path(5120, 5120, c) for c in (1, 64, 128, ops.MOSAIC_MAX_ROWS)] == ["mosaic"] * 4
+    assert path(5120, 5120, ops.MOSAIC_MAX_ROWS + 1) == "reference"
+    assert path(5120, 5120, 4096, rows=True) == "mosaic"  # a lane round's rows, whatever their count
+    assert [path(5120, 5120, c, packed=False) for c in (64, 65)] == ["tiled", "reference"]  # unpacked: Triton
+    assert [path(96, 5120, c) for c in (64, 128)] == ["tiled", "reference"]  # a shape Mosaic does not serve
+
+
 def test_a_cpu_product_of_few_rows_takes_a_row_tile_and_never_widens_the_weight():
     """XLA CPU widens a 16-bit weight to f32 for a dot of one row (a prompt's last-row logits): the reference takes
     one padded row tile instead, the lane rounds' own product."""

@@ -21,8 +21,8 @@ def _weights(rng, n, k):
 
 
 # one row; 9 rows in one 16-row block; 70 rows in two 64-row blocks (the second's 6 rows past M dropped); 17 rows in
-# two 16-row blocks; K splits
-@pytest.mark.parametrize("m,split,block_m", [(1, 1, 0), (9, 2, 0), (70, 1, 0), (17, 2, 16)])
+# two 16-row blocks; K splits; 200 rows (a prompt chunk's, ops.MOSAIC_MAX_ROWS) in four 64-row blocks
+@pytest.mark.parametrize("m,split,block_m", [(1, 1, 0), (9, 2, 0), (70, 1, 0), (17, 2, 16), (200, 2, 0)])
 def test_interpret_matches_reference(m, split, block_m):
     rng = np.random.default_rng(m + split)
     words, packed = _weights(rng, 128, 1024)
@@ -81,7 +81,7 @@ def test_lowers_to_mosaic_gpu_for_the_dense27_mlp_without_a_gpu(n, k, kw):
     assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("m", [1, 5, 9, 33, 64, 70])
+@pytest.mark.parametrize("m", [1, 5, 9, 33, 64, 70, 256])
 def test_lowers_for_any_row_count_leaving_the_row_pad_to_tma(m):
     """Default tiles (x not padded to block_m): TMA takes an array of under 8 rows or whole 8-row tiles, so past
     8 rows the wrapper pads to a multiple of 8; the H200 refused 33 unpadded rows, and so does this lowering."""
@@ -148,7 +148,7 @@ def test_gpu_rows_1_to_64_bit_identical(bs):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(5120, 17408), (17408, 5120)])
-@pytest.mark.parametrize("m", [1, 33, 70])
+@pytest.mark.parametrize("m", [1, 33, 70, 256])
 def test_gpu_dense27_mlp_tiles_match_reference(n, k, m):
     """The dispatch's tiles at the dense27 MLP shapes (K splits 17 and 10; 70 rows: TMA drops the second block's 6
     rows past M) against the reference."""

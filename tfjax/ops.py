@@ -34,7 +34,10 @@ from pallas_kernels import row_norm as rn
 from pallas_kernels.attention import KVPages, gather_pages  # noqa: F401  (the models' cache pages)
 
 MAX_TP = 8  # the largest degree served (`tfjax.sharding`): fixed blocks and partials are counted from it
-KERNEL_MAX_ROWS = 64  # prompt rows up to which an MLX-layout 4-bit product takes the kernel (XLA's dot beyond)
+KERNEL_MAX_ROWS = 64  # prompt rows up to which a 4-bit product takes a Triton kernel (XLA's dot beyond)
+# Prompt rows up to which a packed-pair product takes the Mosaic kernel: a dense27 prompt call (16 layers, H100)
+# is 11.6 ms at 128 rows and 19.1 at 256 on it against 27.0 and 29.4 on XLA's dequantize-then-dot (docs/benchmarks.md)
+MOSAIC_MAX_ROWS = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -704,11 +707,9 @@ def qmatmul_path(n: int, k: int, *, bits: int, group_size: int, layout: str, pac
     if not kn.pallas:
         return "reference"
     if layout in ("kernel", "pairs"):
-        if not (rows or row_count <= KERNEL_MAX_ROWS):
-            return "reference"
-        if packed and qmatmul_mgpu.BlockSizes.serves(n, k, group_size):
+        if packed and qmatmul_mgpu.BlockSizes.serves(n, k, group_size) and (rows or row_count <= MOSAIC_MAX_ROWS):
             return "mosaic"
-        return "tiled"
+        return "tiled" if rows or row_count <= KERNEL_MAX_ROWS else "reference"
     if row_count <= KERNEL_MAX_ROWS and qk.supports(n, k, bits, group_size):  # prompts: XLA's dot is faster
         return "mlx"
     return "reference"
@@ -720,8 +721,8 @@ def qmatmul(x: jax.Array, weight: jax.Array, scales: jax.Array, biases: jax.Arra
     """x [..., in] @ dequant(weight)[out, in].T for MLX affine weights, in the MLX, kernel or pair layout.
 
     Kernel or pair layout (`quant.to_kernel_layout`, `quant.to_pair_layout`): the row-invariant kernels for
-    lane-round rows (any count) and for up to `KERNEL_MAX_ROWS` prompt rows (`qmatmul_path`); XLA's
-    dequantize-then-dot elsewhere. `biases=None`: `scales` holds both (`quant.pack_scale_bias`).
+    lane-round rows (any count) and for up to `MOSAIC_MAX_ROWS` (Mosaic) or `KERNEL_MAX_ROWS` (Triton) prompt rows
+    (`qmatmul_path`); XLA's dequantize-then-dot elsewhere. `biases=None`: `scales` holds both (`quant.pack_scale_bias`).
     `parts`: the product as partial sums [S, ..., out] for the consumer to sum in order (`add_norm`): the Mosaic
     kernel's K-split partials (f32), else the product itself as S = 1. `out_dtype`: the reference path's result
     dtype (default x.dtype; the kernels' results come in x.dtype).

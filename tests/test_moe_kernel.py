@@ -23,7 +23,7 @@ def _experts(rng, e, d, i, bits, group_size, dtype):
     """Fresh random (weight, scales, biases) stacks for gate, up, down."""
 
     def one(out, inp):
-        w, s, b = quant.quantize(jnp.asarray(rng.standard_normal((e, out, inp)) * 0.05, jnp.float32), bits, group_size)
+        w, s, b = quant.quantize(jnp.asarray(rng.standard_normal((e, out, inp), np.float32) * 0.05), bits, group_size)
         return w, s.astype(dtype), b.astype(dtype)
 
     return one(i, d), one(i, d), one(d, i)
@@ -285,8 +285,8 @@ def test_gpu_rows_bit_identical_alone_and_among_1_to_16_rows(rows):
         with ops.using(ops.PALLAS):
             return ops.experts(x, i, w, *stacks, bits=4, group_size=64, rows=rows)
 
-    f = jax.jit(f)
-    _check_rows_invariant(f, 2048, 256, 8, jnp.bfloat16, seed=31, m_values=tuple(range(1, 17)))
+    f = jax.jit(f)  # a program a row count: six counts keep the compiles (the test's cost on the GPU) to six
+    _check_rows_invariant(f, 2048, 256, 8, jnp.bfloat16, seed=31, m_values=(1, 2, 3, 8, 13, 16))
 
 
 @pytest.mark.gpu

@@ -185,3 +185,29 @@ def test_precompiled_prompts_and_admission_leave_nothing_to_compile_for_any_prom
     assert sorted(compiles(runner.compile_admission)) == ["_first_token", "admit", "admit_processors", "release"]
     requests = [Request(_prompt(20 + n, n), max_tokens=2) for n in (3, 13, 30, 150)]
     assert compiles(lambda: engine.run(requests)) == []
+
+
+def test_compile_all_compiles_every_program_on_its_threads_and_raises_a_failed_compile():
+    """`precompile` hands each lowered program to a thread as soon as it is lowered: every one compiles, and a compile
+    that fails fails the whole call (a server must not listen with a program missing)."""
+    import threading
+
+    from tfjax.engine.runner import compile_all
+
+    threads = set()
+
+    class Program:
+        def __init__(self, fails: bool = False):
+            self.fails, self.compiled = fails, False
+
+        def compile(self):
+            threads.add(threading.get_ident())
+            if self.fails:
+                raise RuntimeError("this program does not compile")
+            self.compiled = True
+
+    programs = [Program() for _ in range(6)]
+    assert compile_all(iter(programs), workers=2) == 6
+    assert all(p.compiled for p in programs) and threading.get_ident() not in threads
+    with pytest.raises(RuntimeError, match="does not compile"):
+        compile_all([Program(), Program(fails=True), Program()], workers=2)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from pathlib import Path
 
 from tfjax import checkpoint, grammar, ops, sharding
 from tfjax.engine import Engine, Request, Result
+from tfjax.engine.runner import compile_all
 from tfjax.lanes.config import LaneConfig
 from tfjax.lanes.drafter import RoundFacts
 from tfjax.models.layers import fuse_projections, serving_layout, use_int8
@@ -119,11 +121,13 @@ class LLM:
             self.engine.runner.set_facts(RoundFacts(copy_match=(copy_match or facts.copy_match) if copies else 0,
                                                     draft_block=facts.draft_block))
 
-    def precompile(self) -> int:
+    def precompile(self, workers: int | None = None) -> int:
         """Compile every lane bucket's round, every prompt call's program and the small programs around a prompt now
-        (a server does before it listens), so no first request of a shape stalls the lanes: how many programs."""
+        (a server does before it listens), so no first request of a shape stalls the lanes: how many programs.
+        `workers`: threads compiling at once (default: `runner.compile_workers()`)."""
         runner = self.engine.runner
-        return runner.compile_rounds() + runner.compile_prompts() + runner.compile_admission()
+        return compile_all(itertools.chain(runner.lower_rounds(), runner.lower_prompts(), runner.lower_admission()),
+                           workers)
 
     def encode(self, prompt: str | list[dict] | list[int], chat: bool | None = None) -> list[int]:
         """Token ids of a prompt string, of chat messages rendered with the checkpoint's template, or ids as given."""

@@ -6,7 +6,9 @@ attend over a bucket of pages. Each is a compile key, and none changes a lane's 
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +21,22 @@ from tfjax.lanes import round as lane_round_mod
 from tfjax.lanes.config import LaneConfig
 from tfjax.lanes.drafter import ModelFacts, RoundFacts, round_facts
 from tfjax.models.decoder import DeltaState
+
+
+def compile_all(programs, workers: int | None = None) -> int:
+    """Compile lowered programs on `workers` threads (default `compile_workers()`), each as soon as it is lowered
+    (XLA's compile releases the GIL, so the next program traces meanwhile); how many. A failed compile raises here."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers or compile_workers()) as pool:
+        futures = [pool.submit(lowered.compile) for lowered in programs]
+        for f in futures:
+            f.result()
+    return len(futures)
+
+
+def compile_workers() -> int:
+    """Threads `compile_all` compiles on: the host's cores on the CPU; one on a GPU, where XLA's autotuner times
+    kernels on the device while it compiles (concurrent compiles would time them against each other; unmeasured)."""
+    return (os.cpu_count() or 1) if jax.default_backend() == "cpu" else 1
 
 
 class Runner:
@@ -138,9 +156,13 @@ class Runner:
         with a block drafter, its absorb too) where a call takes the lane's whole table (`prompt_reads_its_keys`),
         so the first prompt of a new length stalls no lane; returns how many. Elsewhere (a mesh's gathering
         reference) the pages vary too and programs compile as met."""
+        return compile_all(self.lower_prompts())
+
+    def lower_prompts(self):
+        """Every prompt call's program, lowered, one at a time (`compile_prompts`)."""
         if not self.prompt_reads_its_keys:
-            return 0
-        zero, st, count = jnp.int32(0), self.state, 0
+            return
+        zero, st = jnp.int32(0), self.state
         models = [(self.target_def, self.target_params, st.cache)]
         if st.draft_cache is not None and not self.block_drafter:
             models.append((self.drafter_def, self.drafter_params, st.draft_cache))
@@ -149,37 +171,33 @@ class Runner:
             for graphdef, params, cache in models:
                 lowered = lane_round_mod.prefill_chunk.lower(graphdef, params, cache, zero, tokens, zero, zero,
                                                              pages=self.lanes.pages_per_lane)
-                lowered.compile()
-                count += 1
+                yield lowered
             if self.block_drafter:
                 hidden = lowered.out_info[2]
-                blocks.absorb_chunk.lower(self.drafter_def, self.drafter_params, st.draft_cache, zero,
-                                          jnp.zeros(hidden.shape, hidden.dtype), zero, zero).compile()
-                count += 1
-        return count
+                yield blocks.absorb_chunk.lower(self.drafter_def, self.drafter_params, st.draft_cache, zero,
+                                                jnp.zeros(hidden.shape, hidden.dtype), zero, zero)
 
     def compile_admission(self) -> int:
         """Compile, ahead of time and running nothing, the small programs every request runs around its prompt (its
         first token, the lane's admission with its processors, the release; a block drafter's first block), so the
         first request after start-up compiles none of them; returns how many. A grammar's table compiles its own."""
+        return compile_all(self.lower_admission())
+
+    def lower_admission(self):
+        """The programs around a prompt, lowered, one at a time (`compile_admission`)."""
         st, zero = self.state, jnp.int32(0)
         params, proc = sampling.SamplingParams.create(1), sampling.Processors.for_request(self.vocab, [0])
         first = jnp.zeros((1,), jnp.int32)
-        programs = [
-            lane_round_mod.admit.lower(st, zero, jnp.zeros((self.lanes.context,), jnp.int32), zero, jnp.bool_(False),
-                                       params, jnp.zeros((self.lanes.pages_per_lane,), jnp.int32)),
-            lane_round_mod.admit_processors.lower(st, zero, proc, first[0], first[0]),
-            lane_round_mod.release.lower(st, zero),
-        ]
+        yield lane_round_mod.admit.lower(st, zero, jnp.zeros((self.lanes.context,), jnp.int32), zero,
+                                         jnp.bool_(False), params, jnp.zeros((self.lanes.pages_per_lane,), jnp.int32))
+        yield lane_round_mod.admit_processors.lower(st, zero, proc, first[0], first[0])
+        yield lane_round_mod.release.lower(st, zero)
         if getattr(self._models[0], "mesh", None) is None:  # a mesh's logits come sharded: that program as met
             logits = jnp.zeros((1, self.vocab), jnp.float32)  # the models' logits are float32
-            programs.append(_first_token.lower(logits, zero, params, proc, st.grammar, grammar.start(jnp.int32([-1]))))
+            yield _first_token.lower(logits, zero, params, proc, st.grammar, grammar.start(jnp.int32([-1])))
         if self.block_drafter:
-            programs.append(blocks.first_block.lower(self.target_def, self.target_params, self.drafter_def,
-                                                     self.drafter_params, st, zero))
-        for lowered in programs:
-            lowered.compile()
-        return len(programs)
+            yield blocks.first_block.lower(self.target_def, self.target_params, self.drafter_def, self.drafter_params,
+                                           st, zero)
 
     def _snapshot(self, which: int, cache, lane: int, end: int, saves: dict[int, int]) -> None:
         if end in saves and self.pools[which] is not None:
@@ -300,13 +318,15 @@ class Runner:
         """Compile, ahead of time and running nothing, the round of every lane bucket (without processors), so a
         bucket first met while serving (lanes ending apart) costs no trace and compile that stalls every lane; returns
         how many. JAX's jit call path reuses these compiles."""
+        return compile_all(self.lower_rounds())
+
+    def lower_rounds(self):
+        """The round of every lane bucket (without processors), lowered, one at a time (`compile_rounds`)."""
         spec = dataclasses.replace(self.spec, processors=False)
-        buckets = self.round_buckets()
-        for lanes in buckets:
+        for lanes in self.round_buckets():
             order = None if lanes is None else jnp.asarray(lanes, jnp.int32)
-            lane_round_mod.lane_round.lower(self.target_def, self.target_params, self.drafter_def, self.drafter_params,
-                                            self.state, spec, order).compile()
-        return len(buckets)
+            yield lane_round_mod.lane_round.lower(self.target_def, self.target_params, self.drafter_def,
+                                                  self.drafter_params, self.state, spec, order)
 
     def dispatch(self) -> lane_round_mod.RoundOut:
         """Enqueue one lane round (asynchronous); the lane state moves on, its output stays on the device."""

@@ -1,0 +1,34 @@
+"""Seconds `LLM.precompile` takes on W compile threads, and the first request after it (docs/benchmarks.md).
+
+  TFJAX_COMPILE_CACHE=off PYTHONPATH=. python3 scripts/probes/precompile_time.py W [--model smollm2] [--lanes 4]
+
+Run each W in its own process (JAX keeps compiled programs in memory), alternating, for a comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from tfjax import api
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("workers", type=int)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--lanes", type=int, default=4)
+    ap.add_argument("--context", type=int, default=2048)
+    args = ap.parse_args()
+    llm = api.load(args.model, lanes=args.lanes, context=args.context)
+    t = time.perf_counter()
+    n = llm.precompile(workers=args.workers)
+    compile_s = time.perf_counter() - t
+    t = time.perf_counter()
+    out = llm.generate("The capital of France is", max_tokens=8)
+    print(f"workers {args.workers}: {n} programs in {compile_s:.1f} s; first request {time.perf_counter() - t:.2f} s; "
+          f"{out.token_sha256[:8]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -51,11 +51,17 @@ def ttft(llm, prompt_ids: list[int]):
     return time.perf_counter() - t, out
 
 
+def empty_cache(llm, enabled: bool) -> None:
+    """Start from an empty prefix cache, switched on or off (off: every prompt prefilled whole, with the same
+    compiled programs)."""
+    llm.engine.prefix.clear()
+    llm.engine.prefix.enabled = enabled
+
+
 def conversation(llm, turns: int, reply: int, token_space: bool, cache: bool = True):
     """One run: per turn (prompt tokens, cached tokens, ttft seconds, reply sha256); `cache=False` runs the
-    engine with its prefix cache switched off (every prompt prefilled whole, with the same compiled programs)."""
-    llm.engine.prefix.clear()  # every run starts from an empty cache
-    llm.engine.prefix.enabled = cache
+    engine with its prefix cache switched off."""
+    empty_cache(llm, cache)  # every run starts from an empty cache
     messages, ids, rows = [], [], []
     for text in MESSAGES[:turns]:
         messages.append({"role": "user", "content": text})
@@ -136,8 +142,7 @@ def main():
         runs["off"].append(conversation(off, args.turns, args.reply, token_space, cache=False))
         for name, llm in engines.items():
             runs[name].append(conversation(llm, args.turns, args.reply, token_space))
-        off.engine.prefix.clear()
-        off.engine.prefix.enabled = False
+        empty_cache(off, False)
         single.append(ttft(off, one_message)[0])
     one = statistics.median(single)
     print("| turn | prompt tokens | TTFT off, ms | " + " | ".join(

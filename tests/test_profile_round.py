@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from tfjax.profiling import device_events, latest_events, summarize
+from tfjax.profiling import device_events, host_api_calls, latest_events, summarize
 
 
 def _trace():
     meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
             {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}}]
     host = [{"ph": "X", "pid": 1, "name": "PjitFunction(lane_round)", "dur": 9000.0}]
+    host += [{"ph": "X", "pid": 1, "name": "cuLaunchKernelEx", "dur": 4.0} for _ in range(6)]
+    host += [{"ph": "X", "pid": 1, "name": "cuGraphLaunch", "dur": 20.0}]
     gpu = [{"ph": "X", "pid": 7, "name": "fusion_1", "dur": 30.0} for _ in range(4)]
     gpu += [{"ph": "X", "pid": 7, "name": "qmatmul_tiled", "dur": 100.0} for _ in range(2)]
     return {"traceEvents": meta + host + gpu}
@@ -137,3 +139,9 @@ def test_compiled_launches_reads_a_module_xla_compiled_here():
     got = compiled_launches(hlo)
     assert got["launches"] == len(got["names"]) == sum(got["kinds"].values()) >= 2
     assert not {"parameter", "tuple", "bitcast"} & set(got["kinds"])
+
+
+def test_host_cuda_calls_are_counted_per_round_and_device_tracks_left_out():
+    lines = host_api_calls(_trace(), rounds=2).splitlines()
+    assert lines[2:] == ["| cuLaunchKernelEx | 3.0 | 12.0 |", "| cuGraphLaunch | 0.5 | 10.0 |"]
+    assert host_api_calls({"traceEvents": []}, rounds=1) == "no CUDA API calls in the trace"

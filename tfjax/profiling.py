@@ -77,10 +77,33 @@ def device_events(trace: dict) -> list[dict]:
     return [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("pid") in pids and "dur" in e]
 
 
-def latest_events(folder: Path) -> list[dict]:
-    """Device events of the newest Perfetto trace `jax.profiler.trace` wrote under `folder`."""
+def latest_trace(folder: Path) -> dict:
+    """The newest Perfetto trace `jax.profiler.trace` wrote under `folder`."""
     path = max(folder.rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
-    return device_events(json.loads(gzip.decompress(path.read_bytes())))
+    return json.loads(gzip.decompress(path.read_bytes()))
+
+
+def latest_events(folder: Path) -> list[dict]:
+    """Device events of the newest Perfetto trace under `folder`."""
+    return device_events(latest_trace(folder))
+
+
+def host_api_calls(trace: dict, rounds: float) -> str:
+    """The host's CUDA API calls a round (events named cu*: kernel launches, graph launches, syncs) and their time:
+    tells a round whose host launches every kernel from one that launches a captured graph."""
+    gpu = {e["pid"] for e in trace.get("traceEvents", []) if e.get("ph") == "M" and e.get("name") == "process_name"
+           and "gpu" in e["args"]["name"].lower()}
+    total, count = defaultdict(float), defaultdict(int)
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") == "X" and e.get("pid") not in gpu and "dur" in e and e["name"].startswith("cu"):
+            total[e["name"]] += float(e["dur"])
+            count[e["name"]] += 1
+    if not count:
+        return "no CUDA API calls in the trace"
+    lines = ["| host CUDA call | per round | host us per round |", "|---|---|---|"]
+    for name, us in sorted(total.items(), key=lambda kv: -kv[1])[:12]:
+        lines.append(f"| {name[:60]} | {count[name] / rounds:.1f} | {us / rounds:.1f} |")
+    return "\n".join(lines)
 
 
 def summarize(events: list[dict], rounds: float, wall_s: float, top: int = 25) -> str:

@@ -17,7 +17,7 @@ import argparse
 import time
 from pathlib import Path
 
-from tfjax.profiling import compiled_launches, latest_events, structure, summarize
+from tfjax.profiling import compiled_launches, device_events, host_api_calls, latest_trace, structure, summarize
 
 PROMPT = ("Original:\ndef scale(values, k):\n    out = []\n    for v in values:\n        out.append(v * k)\n"
           "    return out\n\nThe same function with `out` renamed to `scaled`:\ndef scale(values, k):\n")
@@ -141,10 +141,12 @@ def main():
     print(f"{args.model} on {jax.devices()[0].device_kind}; drafter {args.drafter}; copy_match {args.copy_match}; "
           f"{args.streams} streams; {len(gen.token_ids)} tokens a stream, {gen.tokens_per_round:.2f} a round; "
           f"trace under {out}")
-    events = latest_events(out)
+    trace = latest_trace(out)
+    events = device_events(trace)
     if not events:
         raise SystemExit(f"no GPU kernels in the trace ({jax.default_backend()} run): the table needs a GPU")
     print(summarize(events, rounds, wall, args.top))
+    print(host_api_calls(trace, rounds))
 
 
 if __name__ == "__main__":

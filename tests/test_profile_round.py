@@ -144,4 +144,9 @@ def test_compiled_launches_reads_a_module_xla_compiled_here():
 def test_host_cuda_calls_are_counted_per_round_and_device_tracks_left_out():
     lines = host_api_calls(_trace(), rounds=2).splitlines()
     assert lines[2:] == ["| cuLaunchKernelEx | 3.0 | 12.0 |", "| cuGraphLaunch | 0.5 | 10.0 |"]
-    assert host_api_calls({"traceEvents": []}, rounds=1) == "no CUDA API calls in the trace"
+    assert host_api_calls({"traceEvents": []}, rounds=1) == "no host CUDA calls in the trace"
+
+
+def test_other_host_events_are_counted_apart_from_cuda_calls():
+    lines = host_api_calls(_trace(), rounds=2, cuda=False).splitlines()
+    assert lines[2:] == ["| PjitFunction(lane_round) | 0.5 | 4500.0 |"]

@@ -88,21 +88,23 @@ def latest_events(folder: Path) -> list[dict]:
     return device_events(latest_trace(folder))
 
 
-def host_api_calls(trace: dict, rounds: float) -> str:
-    """The host's CUDA API calls a round (events named cu*: kernel launches, graph launches, syncs) and their time:
-    tells a round whose host launches every kernel from one that launches a captured graph."""
+def host_api_calls(trace: dict, rounds: float, cuda: bool = True, top: int = 12) -> str:
+    """The host's events a round by total time: with `cuda` its CUDA API calls (events named cu*: kernel launches,
+    graph launches, syncs: tells a round whose host launches every kernel from one that launches a captured graph),
+    else every other host event (the runtime's and Python's spans; nested spans each count)."""
     gpu = {e["pid"] for e in trace.get("traceEvents", []) if e.get("ph") == "M" and e.get("name") == "process_name"
            and "gpu" in e["args"]["name"].lower()}
     total, count = defaultdict(float), defaultdict(int)
     for e in trace.get("traceEvents", []):
-        if e.get("ph") == "X" and e.get("pid") not in gpu and "dur" in e and e["name"].startswith("cu"):
+        if e.get("ph") == "X" and e.get("pid") not in gpu and "dur" in e and e["name"].startswith("cu") == cuda:
             total[e["name"]] += float(e["dur"])
             count[e["name"]] += 1
+    what = "CUDA call" if cuda else "event"
     if not count:
-        return "no CUDA API calls in the trace"
-    lines = ["| host CUDA call | per round | host us per round |", "|---|---|---|"]
-    for name, us in sorted(total.items(), key=lambda kv: -kv[1])[:12]:
-        lines.append(f"| {name[:60]} | {count[name] / rounds:.1f} | {us / rounds:.1f} |")
+        return f"no host {what}s in the trace"
+    lines = [f"| host {what} | per round | host us per round |", "|---|---|---|"]
+    for name, us in sorted(total.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"| {name[:80]} | {count[name] / rounds:.1f} | {us / rounds:.1f} |")
     return "\n".join(lines)
 
 

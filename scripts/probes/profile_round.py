@@ -103,6 +103,7 @@ def main():
     ap.add_argument("--random-weights", type=int, default=None, metavar="BITS",
                     help="random MLX BITS-bit weights of the --model folder's geometry (config and tokenizer)")
     ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--cprofile", action="store_true", help="the host's Python by own time (cProfile), no trace")
     ap.add_argument("--streams", type=int, default=1, help="concurrent copies of the prompt (lanes = streams)")
     args = ap.parse_args()
     if args.structure:
@@ -131,6 +132,21 @@ def main():
     llm.precompile()  # every lane bucket's round, outside the trace
     prompts = [PROMPT] * args.streams
     llm.generate_many(prompts, max_tokens=8, ignore_eos=True)  # the prompt programs too
+    if args.cprofile:  # the host's Python a round, without the profiler's tracing
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        t = time.perf_counter()
+        prof.enable()
+        gen = llm.generate_many(prompts, max_tokens=args.tokens, ignore_eos=True)[0]
+        prof.disable()
+        wall = time.perf_counter() - t
+        rounds = len(gen.token_ids) / gen.tokens_per_round
+        print(f"{args.model} on {jax.devices()[0].device_kind}: {wall / rounds * 1e3:.2f} ms wall a round under "
+              f"cProfile, {rounds:.0f} rounds; per round, by own time:")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
+        return
     out = Path(args.out)
     with jax.profiler.trace(str(out), create_perfetto_trace=True):
         t = time.perf_counter()
@@ -147,6 +163,7 @@ def main():
         raise SystemExit(f"no GPU kernels in the trace ({jax.default_backend()} run): the table needs a GPU")
     print(summarize(events, rounds, wall, args.top))
     print(host_api_calls(trace, rounds))
+    print(host_api_calls(trace, rounds, cuda=False, top=args.top))
 
 
 if __name__ == "__main__":

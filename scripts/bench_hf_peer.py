@@ -29,11 +29,17 @@ def main() -> None:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     config = AutoConfig.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype)).to(dev).eval()
-    if args.compile != "none":
-        model.forward = torch.compile(model.forward, mode=args.compile, fullgraph=True)
     prompt = torch.randint(0, config.vocab_size, (1, 24), device=dev)
     kw = dict(max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False,
               cache_implementation="static", pad_token_id=0)
+    # generate compiles the decode step itself and marks each CUDA-graph step (a forward compiled by hand with
+    # reduce-overhead fails on the second token: the static cache's graph outputs are overwritten, H100 2026-12-07)
+    if args.compile == "none":
+        kw["disable_compile"] = True
+    else:
+        from transformers import CompileConfig
+
+        kw["compile_config"] = CompileConfig(fullgraph=True, mode=args.compile)
     with torch.inference_mode():
         for _ in range(2):  # compile and warm up
             model.generate(prompt, **kw)

@@ -127,18 +127,6 @@ class GatedDeltaNet(nnx.Module):
         return (self.out_proj(out, mode.rows) if project else out), DeltaState(new_conv, state), trace
 
 
-def top_k_by_argmax(p: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """`lax.top_k` over the last axis (largest first, the lower index on ties) as k argmax passes: plain reductions
-    in the round's graph, no sort or TopK custom call at every MoE layer."""
-    values, ids = [], []
-    for _ in range(k):
-        i = jnp.argmax(p, axis=-1)
-        values.append(jnp.take_along_axis(p, i[..., None], axis=-1)[..., 0])
-        ids.append(i.astype(jnp.int32))
-        p = jnp.where(jnp.arange(p.shape[-1]) == i[..., None], -jnp.inf, p)
-    return jnp.stack(values, -1), jnp.stack(ids, -1)
-
-
 class SparseMoE(nnx.Module):
     """Top-k routed SwiGLU experts plus a sigmoid-gated shared expert."""
 
@@ -159,7 +147,7 @@ class SparseMoE(nnx.Module):
         k = self.top_k
 
         def route(logits: jax.Array) -> jax.Array:  # [N, E] -> [N, 2k]: normalised top-k probabilities, their ids
-            top_p, top_i = top_k_by_argmax(jax.nn.softmax(logits, axis=-1), k)
+            top_p, top_i = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
             return jnp.concatenate([top_p / jnp.sum(top_p, axis=-1, keepdims=True), top_i.astype(jnp.float32)], -1)
 
         gate = self.shared_expert_gate(xf, rows)

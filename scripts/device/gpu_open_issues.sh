@@ -1,29 +1,39 @@
 #!/usr/bin/env bash
-# The open issues' GPU checks in one call, in priority order, each step under its own timeout (~580 s in all), so a call
-# cut short still returns the first steps (issues 28, 31, 32; docs/device.md "Next session's calls"):
-#   SMOLLM2=FOLDER bash scripts/device/gpu_open_issues.sh
-# FOLDER: SmolLM2's config.json, generation_config.json and tokenizer files, no weights (random 4-bit ones are made):
+# The open issues' GPU checks in one call, in priority order, each step under its own timeout (~560 s in all), so a
+# call cut short still returns the first steps (issues 31, 32; docs/device.md "Next session's calls"):
+#   git worktree add --detach .gpu/base 1788943     # the tree before e6359c3 (the MoE gate's loop), for the A/B
+#   SMOLLM2=.gpu/models/smollm2 bash scripts/device/gpu_open_issues.sh      (carry .gpu/models and .gpu/base)
+# .gpu/models/smollm2: SmolLM2's config.json, generation_config.json and tokenizer files, no weights:
 #   mkdir -p .gpu/models/smollm2 && cp ~/.cache/tfjax/smollm2-bf16/{config,generation_config,tokenizer,tokenizer_config}.json .gpu/models/smollm2/
-# and carry `.gpu/models`. 1. the Mosaic 4-bit kernel at a prompt chunk's 256 rows against its reference (dense27's MLP);
-# 2. dense27's 8 turns with prompt rows to 256 on that kernel (ops.MOSAIC_MAX_ROWS); 3. SmolLM2's prompt calls with the
-# kernel to 256 rows against 64 (its 576-wide products); 4. the MoE rows GPU tests.
+# 1. moe35a3's first 8 layers through the engine, before / after e6359c3, and the round's graph launches (1 expected);
+# 2. the 40-layer moe35a3 against its roofline (bench_moe_gpu); 3. SmolLM2 plain 4-bit and bf16 (random weights);
+# 4. the MoE rows GPU test with a stack dump if it hangs. Full logs under $OUT.
 set -u
-export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda TFJAX_COMPILE_CACHE=off PYTHONPATH=.
+export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda TFJAX_COMPILE_CACHE=off
 filt() { grep -v "^W0\|^I0\|^E0000\|tensor/s\]\|it/s\]\|Warning\|warn("; }
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; date +%T
+OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 M=${SMOLLM2:-.gpu/models/smollm2}
-echo "== 1. pytest -m gpu the Mosaic kernel on dense27's MLP tiles (1-256 rows)"
-timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_qmatmul_mgpu.py -k dense27 2>&1 | tail -3
-echo "== 2. dense27 random 4-bit, 8 turns, cache off / on (8 GiB), 3 runs"; date +%T
-timeout 300 python3 scripts/bench_prefix.py --model $M --geometry dense27 --random-weights 4 --prefix-cache-gb 8 \
-  --runs 3 --reply 16 2>&1 | filt | tail -16
-echo "== 3. SmolLM2 prompt calls, the Mosaic kernel to 256 rows (now) against 64 (before)"; date +%T
-for k in 256 64; do
-  timeout 60 python3 scripts/probes/prompt_compile.py --model $M --random-weights 4 --reps 5 --rows 128,256 \
-    --kernel-max-rows $k 2>&1 | grep "prefill_chunk\|rror\|on NVIDIA"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; date +%T
+PYTHONPATH=. python3 scripts/moe_folder.py /tmp/moe8 --layers 8 > /dev/null 2>&1
+for tree in .gpu/base . .gpu/base . ; do
+  [ -d $tree ] || continue
+  echo "== 1. moe35a3 8 layers, tree $tree, plain decode"; date +%T
+  PYTHONPATH=$tree timeout 100 python3 $tree/scripts/bench_generate.py --model /tmp/moe8 --random-weights 4 \
+    --cells "code new" --sampling greedy --tokens 64 --runs 3 --context 2048 --copy-match 0 2>&1 | filt | grep "|" | tail -1
 done
-echo "== 4. MoE rows GPU tests"; date +%T
-timeout 90 python3 -m pytest -v -m gpu -p no:cacheprovider \
-  "tests/test_moe_kernel.py::test_gpu_rows_bit_identical_alone_and_among_1_to_16_rows" \
-  tests/test_moe_kernel.py::test_gpu_rows_bit_identical_when_every_row_shares_one_expert 2>&1 | grep "PASS\|FAIL\|Error\|passed\|failed"
+export PYTHONPATH=.
+echo "-- graph launches a round (one expected)"; date +%T
+timeout 90 python3 scripts/probes/profile_round.py --model /tmp/moe8 --random-weights 4 --copy-match 0 --tokens 32 \
+  --top 8 > $OUT/moe8_profile.txt 2>&1; grep -A9 "rounds,\|host CUDA" $OUT/moe8_profile.txt
+echo "== 2. moe35a3 40 layers, 1 and 16 lanes at 2k, against the roofline"; date +%T
+timeout 240 python3 scripts/bench_moe_gpu.py --context 2048 --lanes 1,16 --runs 3 --steps 10 --prompt 0 2>&1 | filt | tail -6
+for w in 4 0; do
+  echo "== 3. SmolLM2 random-weights $w, plain"; date +%T
+  timeout 70 python3 scripts/bench_generate.py --model $M --random-weights $w --cells "code new" --sampling greedy \
+    --tokens 128 --runs 3 --context 2048 --copy-match 0 2>&1 | filt | grep "|" | tail -1
+done
+echo "== 4. MoE rows GPU test [rows], stack dump at 100 s"; date +%T
+timeout 120 python3 -m pytest -q -s -m gpu -p no:cacheprovider -o faulthandler_timeout=100 \
+  "tests/test_moe_kernel.py::test_gpu_rows_bit_identical_alone_and_among_1_to_16_rows[rows]" > $OUT/moe_rows.txt 2>&1
+grep "passed\|failed\|File \"/work\|Timeout" $OUT/moe_rows.txt | head -12
 date +%T

@@ -285,10 +285,11 @@ def test_gpu_rows_bit_identical_alone_and_among_1_to_16_rows(rows):
         with ops.using(ops.PALLAS):
             return ops.experts(x, i, w, *stacks, bits=4, group_size=64, rows=rows)
 
-    # a program a row count, and the compiles are the test's cost on the GPU (the prompt path's took over 50 s for six
-    # counts on the H100): the rounds' rows path at six counts, the prompt path (the same chunks drafted and plain) at two
+    # a program a row count, and the compiles are the test's cost on the GPU (neither case finished six counts in 50 s
+    # on the H100): the rounds' rows path at a verify round's 8 and 16 rows (one and two lanes of width 8) and an odd 3,
+    # the prompt path (the same chunks drafted and plain) at 16
     f = jax.jit(f)
-    _check_rows_invariant(f, 2048, 256, 8, jnp.bfloat16, seed=31, m_values=(1, 2, 3, 8, 13, 16) if rows else (1, 16))
+    _check_rows_invariant(f, 2048, 256, 8, jnp.bfloat16, seed=31, m_values=(3, 8, 16) if rows else (16,))
 
 
 @pytest.mark.gpu

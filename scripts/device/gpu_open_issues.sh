@@ -6,7 +6,8 @@
 # .gpu/models/smollm2: SmolLM2's config.json, generation_config.json and tokenizer files, no weights:
 #   mkdir -p .gpu/models/smollm2 && cp ~/.cache/tfjax/smollm2-bf16/{config,generation_config,tokenizer,tokenizer_config}.json .gpu/models/smollm2/
 # 1. moe35a3's first 8 layers through the engine, before / after e6359c3, and the round's graph launches (1 expected);
-# 2. the 40-layer moe35a3 against its roofline (bench_moe_gpu); 3. SmolLM2 plain 4-bit and bf16 (random weights);
+# 2. the 40-layer moe35a3 against its roofline (bench_moe_gpu); 3. SmolLM2 plain 4-bit and bf16 (random weights), and
+# its 576-input products on the Mosaic kernel with K padded (scripts/probes/padded_k.py);
 # 4. the MoE rows GPU test with a stack dump if it hangs. Full logs under $OUT.
 set -u
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda TFJAX_COMPILE_CACHE=off
@@ -32,6 +33,8 @@ for w in 4 0; do
   timeout 70 python3 scripts/bench_generate.py --model $M --random-weights $w --cells "code new" --sampling greedy \
     --tokens 128 --runs 3 --context 2048 --copy-match 0 2>&1 | filt | grep "|" | tail -1
 done
+echo "-- SmolLM2's 576-input products: Triton on MLX words against Mosaic on K padded to 768"; date +%T
+timeout 60 python3 scripts/probes/padded_k.py --rows 1,8 2>&1 | filt | grep "|\|on "
 echo "== 4. MoE rows GPU test [rows], stack dump at 100 s"; date +%T
 timeout 120 python3 -m pytest -q -s -m gpu -p no:cacheprovider -o faulthandler_timeout=100 \
   "tests/test_moe_kernel.py::test_gpu_rows_bit_identical_alone_and_among_1_to_16_rows[rows]" > $OUT/moe_rows.txt 2>&1

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The open issues' GPU checks in one call, in priority order, each step under its own timeout (~560 s in all), so a
-# call cut short still returns the first steps (issues 31, 32; docs/device.md "Next session's calls"):
+# The open issues' GPU checks in two calls, in priority order, each step under its own timeout, so a call cut short
+# still returns the first steps (issues 31, 32; docs/device.md "Next session's calls"):
 #   git worktree add --detach .gpu/base 1788943     # the tree before e6359c3 (the MoE gate's loop), for the A/B
 #   git worktree add --detach .gpu/kpad k-padded-pairs   # the branch 64ec50d: SmolLM2's K=576 on the Mosaic kernel
-#   SMOLLM2=.gpu/models/smollm2 bash scripts/device/gpu_open_issues.sh      (carry .gpu/models, .gpu/base, .gpu/kpad)
+#   SMOLLM2=.gpu/models/smollm2 bash scripts/device/gpu_open_issues.sh PART   (carry .gpu/models, .gpu/base, .gpu/kpad)
+# PART 1 (issue 31, ~510 s): steps 1 and 2; PART 2 (issues 31, 32, ~510 s): steps 3 and 4. One device call each.
 # .gpu/models/smollm2: SmolLM2's config.json, generation_config.json and tokenizer files, no weights:
 #   mkdir -p .gpu/models/smollm2 && cp ~/.cache/tfjax/smollm2-bf16/{config,generation_config,tokenizer,tokenizer_config}.json .gpu/models/smollm2/
 # 1. moe35a3's first 8 layers through the engine, before / after e6359c3, and the round's graph launches (1 expected);
@@ -15,12 +16,14 @@ export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda TFJAX_COMPILE_CACHE=off
 filt() { grep -v "^W0\|^I0\|^E0000\|tensor/s\]\|it/s\]\|Warning\|warn("; }
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 M=${SMOLLM2:-.gpu/models/smollm2}
+PART=${1:?give the part: 1 or 2}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; date +%T
+if [ "$PART" = 1 ]; then
 PYTHONPATH=. python3 scripts/moe_folder.py /tmp/moe8 --layers 8 > /dev/null 2>&1
 for tree in .gpu/base . .gpu/base . ; do
   [ -d $tree ] || continue
   echo "== 1. moe35a3 8 layers, tree $tree, plain decode"; date +%T
-  PYTHONPATH=$tree timeout 100 python3 $tree/scripts/bench_generate.py --model /tmp/moe8 --random-weights 4 \
+  PYTHONPATH=$tree timeout 70 python3 $tree/scripts/bench_generate.py --model /tmp/moe8 --random-weights 4 \
     --cells "code new" --sampling greedy --tokens 64 --runs 3 --context 2048 --copy-match 0 2>&1 | filt | grep "|" | tail -1
 done
 export PYTHONPATH=.
@@ -29,6 +32,8 @@ timeout 90 python3 scripts/probes/profile_round.py --model /tmp/moe8 --random-we
   --top 8 > $OUT/moe8_profile.txt 2>&1; grep -A9 "rounds,\|host CUDA" $OUT/moe8_profile.txt
 echo "== 2. moe35a3 40 layers, 1 and 16 lanes at 2k, against the roofline"; date +%T
 timeout 240 python3 scripts/bench_moe_gpu.py --context 2048 --lanes 1,16 --runs 3 --steps 10 --prompt 0 2>&1 | filt | tail -6
+else
+export PYTHONPATH=.
 echo "-- SmolLM2's 576-input products: Triton on MLX words against Mosaic on K padded to 768"; date +%T
 timeout 60 python3 scripts/probes/padded_k.py --rows 1,8 2>&1 | filt | grep "|\|on "
 if [ -d .gpu/kpad ]; then
@@ -46,4 +51,5 @@ echo "== 4. MoE rows GPU test [rows], stack dump at 100 s"; date +%T
 timeout 120 python3 -m pytest -q -s -m gpu -p no:cacheprovider -o faulthandler_timeout=100 \
   "tests/test_moe_kernel.py::test_gpu_rows_bit_identical_alone_and_among_1_to_16_rows[rows]" > $OUT/moe_rows.txt 2>&1
 grep "passed\|failed\|File \"/work\|Timeout" $OUT/moe_rows.txt | head -12
+fi
 date +%T

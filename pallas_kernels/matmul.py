@@ -39,8 +39,8 @@ class BlockSizes:
 
 
 def supports(n: int, k: int) -> bool:
-    """Shapes the kernel tiles exactly: N and K multiples of 16."""
-    return n % 16 == 0 and k % 16 == 0
+    """Shapes the kernel takes: K a multiple of 16; any N (`matmul` pads it to whole 16-column blocks)."""
+    return n > 0 and k % 16 == 0
 
 
 def _matmul_kernel(x_ref, w_ref, o_ref, *, m: int, steps: int):
@@ -74,24 +74,26 @@ def _check(x, w, bs: BlockSizes):
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
 def matmul(x: jax.Array, w: jax.Array, *, block_sizes: BlockSizes | None = None, interpret: bool = False) -> jax.Array:
-    """``x [..., K] @ w[N, K].T -> [..., N]`` in x's dtype, f32 accumulation; row-invariant."""
+    """``x [..., K] @ w[N, K].T -> [..., N]`` in x's dtype, f32 accumulation; row-invariant. An N short of 16-column
+    blocks (the MoE shared expert's gate, N=1) is padded with zero rows and sliced off: still one launch."""
     n, k = w.shape[0], x.shape[-1]
-    bs = block_sizes or BlockSizes.for_weight(n, k)
+    w = jnp.pad(w, ((0, -n % 16), (0, 0))) if n % 16 else w
+    bs = block_sizes or BlockSizes.for_weight(w.shape[0], k)
     x2 = x.reshape(-1, k)
     _check(x2, w, bs)
     m = x2.shape[0]
     out = pl.pallas_call(
         functools.partial(_matmul_kernel, m=m, steps=k // bs.block_k),
-        grid=(pl.cdiv(m, bs.block_m), n // bs.block_n),
+        grid=(pl.cdiv(m, bs.block_m), w.shape[0] // bs.block_n),
         in_specs=[pl.BlockSpec((bs.block_m, k), lambda i, j: (i, 0)),
                   pl.BlockSpec((bs.block_n, k), lambda i, j: (j, 0))],
         out_specs=pl.BlockSpec((bs.block_m, bs.block_n), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+        out_shape=jax.ShapeDtypeStruct((m, w.shape[0]), x.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
         interpret=interpret,
         name="dense_matmul",
     )(x2, w)
-    return out.reshape(*x.shape[:-1], n)
+    return out[:, :n].reshape(*x.shape[:-1], n)
 
 
 def reference(x: jax.Array, w: jax.Array) -> jax.Array:

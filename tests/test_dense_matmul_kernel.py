@@ -22,7 +22,7 @@ def _case(rng, m, n, k, dtype=jnp.float32):
 
 # M: one row, a ragged block (block_m + 1), several blocks; K = 576 (SmolLM2's hidden: 9 steps of 64)
 @pytest.mark.parametrize("m", [1, 17, 40])
-@pytest.mark.parametrize("n,k", [(64, 576), (192, 128)])
+@pytest.mark.parametrize("n,k", [(64, 576), (192, 128), (1, 128), (40, 64)])  # N=1, 40: padded to 16-column blocks
 def test_interpret_matches_reference(m, n, k):
     x, w = _case(np.random.default_rng(m + n), m, n, k)
     got = mm.matmul(x, w, interpret=True)

@@ -625,11 +625,9 @@ def matmul(x: jax.Array, w: jax.Array, *, rows: bool = False, out_dtype=None) ->
     matmul with kernels (one launch; tiles fixed by the weight's shape), else fixed row tiles of XLA dots.
     `out_dtype`: the result's dtype (a row-parallel partial keeps f32), default x.dtype."""
     if rows:
-        n, k = w.shape
-        if _gpu() and mm.supports(n + -n % 16, k):  # N padded with zero rows to the kernel's 16: a narrow linear
-            # (the MoE shared expert's gate, N=1) in one launch, not a row-tile loop, which splits the round's CUDA graph
-            y = mm.matmul(x, jnp.pad(w, ((0, -n % 16), (0, 0))) if n % 16 else w)
-            return y[..., :n].astype(out_dtype or x.dtype)
+        # any N (the MoE gate's 1) in one launch: a row-tile loop on the GPU would split the round's CUDA graph
+        if _gpu() and mm.supports(*w.shape):
+            return mm.matmul(x, w).astype(out_dtype or x.dtype)
         return row_tiled(lambda t: _dot_t(t, w, out_dtype), x)
     if not _gpu() and math.prod(x.shape[:-1]) < fenced.ROW_TILE:
         # XLA CPU has no 16-bit product of so few rows: it widens the whole weight to f32 each call (a prompt's

@@ -69,11 +69,15 @@ def kernel_seconds(events: list[dict], match: str | None, ops: int) -> float:
     return sum(durs) * 1e-6 / ops if match is None else float(np.median(durs)) * 1e-6
 
 
+def _gpu_pids(trace: dict) -> set:
+    """The trace's GPU tracks (processes named like a GPU)."""
+    return {e["pid"] for e in trace.get("traceEvents", []) if e.get("ph") == "M" and e.get("name") == "process_name"
+            and "gpu" in e["args"]["name"].lower()}
+
+
 def device_events(trace: dict) -> list[dict]:
     """Complete events ("X") on GPU tracks; none for a CPU run (its host track nests Python frames)."""
-    names = {e["pid"]: e["args"]["name"] for e in trace.get("traceEvents", [])
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    pids = {pid for pid, n in names.items() if "gpu" in n.lower()}
+    pids = _gpu_pids(trace)
     return [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("pid") in pids and "dur" in e]
 
 
@@ -92,8 +96,7 @@ def host_api_calls(trace: dict, rounds: float, cuda: bool = True, top: int = 12)
     """The host's events a round by total time: with `cuda` its CUDA API calls (events named cu*: kernel launches,
     graph launches, syncs: tells a round whose host launches every kernel from one that launches a captured graph),
     else every other host event (the runtime's and Python's spans; nested spans each count)."""
-    gpu = {e["pid"] for e in trace.get("traceEvents", []) if e.get("ph") == "M" and e.get("name") == "process_name"
-           and "gpu" in e["args"]["name"].lower()}
+    gpu = _gpu_pids(trace)
     total, count = defaultdict(float), defaultdict(int)
     for e in trace.get("traceEvents", []):
         if e.get("ph") == "X" and e.get("pid") not in gpu and "dur" in e and e["name"].startswith("cu") == cuda:

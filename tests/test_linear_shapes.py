@@ -99,29 +99,6 @@ def test_every_linear_shape_takes_a_kernel_that_accepts_it_or_the_reference(spie
         assert gate[1] == gate[8] == "dense" and gate[256] in ("reference", "dense"), gate
 
 
-@pytest.mark.parametrize("name,quant", [("tiny_dense", None), ("tiny_dense", QuantConfig(4, 64)),
-                                        ("tiny_moe", QuantConfig(4, 64))], ids=["dense-bf16", "dense-4bit", "moe-4bit"])
-def test_a_gpu_decode_step_holds_no_loop_to_split_its_cuda_graph(name, quant):
-    """On the GPU a loop outside a kernel is a while thunk: the round's CUDA graph ends before it and starts again
-    after it (H100: an 8-layer moe35a3 round launched 9 graphs, a loop at each layer's shared-expert gate, N=1).
-    Head dim 64, which the attention kernels take (the tiny geometries' 32 falls back to the reference's loop); a bf16
-    MoE's experts still loop over rows (no row-invariant kernel for dense stacks)."""
-    from tfjax.models.layers import ROWS
-    from tfjax.profiling import structure
-
-    model = models.build(_config(name, quant).replace(head_dim=64), seed=0, kernels=ops.PALLAS)
-    serving_layout(model)
-    gd, ps = models.split(model)
-    cache = model.init_cache(2, 64)
-
-    def step(ps, token, pos, cache):
-        with ops.using(ops.PALLAS):
-            return models.forward.__wrapped__(gd, ps, token, pos, jnp.ones_like(pos), cache, ROWS)[0]
-
-    got = structure(jax.make_jaxpr(step)(ps, jnp.zeros((2, 3), jnp.int32), jnp.array([5, 9]), cache))
-    assert got["loops"] == 0 and got["pallas_call"] > 0, got
-
-
 def test_a_narrow_rows_linear_takes_the_dense_kernel_padded_to_16_and_keeps_each_rows_bits(spies):
     """N=1 (the MoE shared-expert gate) in lane-round rows: the dense kernel on the weight padded with zero rows, its
     one column equal to the reference's product, and a row alone the same bits as among other rows."""

@@ -1,6 +1,7 @@
 """A GPU lane round holds no loop outside its kernels: on the GPU a loop is a while thunk, and XLA ends the round's
 CUDA graph before it and starts another after it (an 8-layer MoE round launched 9 graphs, H100 2026-12-07). Traced
-with the GPU dispatch on the CPU: plain, root copies and a DFlash2 block drafter, rounds without processors."""
+with the GPU dispatch on the CPU: bf16 and 4-bit dense, 4-bit MoE, root copies and a DFlash2 block drafter, rounds
+without processors."""
 
 from __future__ import annotations
 
@@ -20,12 +21,19 @@ from tfjax.models.layers import serving_layout
 from tfjax.profiling import structure
 
 # head dim 64: the attention kernels' (the tiny geometries' 32 falls back to the reference, which loops over heads)
-TARGET = geometry.tiny_dense.replace(head_dim=64, quantization=QuantConfig(4, 64), dtype="bfloat16")
+DENSE = geometry.tiny_dense.replace(head_dim=64, dtype="bfloat16")
+TARGET = DENSE.replace(quantization=QuantConfig(4, 64))
+# 4-bit MoE (whole 64-input groups): its shared expert's gate (N=1) once looped; a bf16 MoE's experts still loop over
+# rows (no row-invariant kernel for dense stacks), so it is not here
+MOE = geometry.tiny_moe.replace(head_dim=64, dtype="bfloat16", quantization=QuantConfig(4, 64),
+                                moe_intermediate_size=64, shared_expert_intermediate_size=64)
 
 
-@pytest.mark.parametrize("drafting", ["plain", "copies", "dflash2"])
-def test_a_gpu_lane_round_holds_no_loop_outside_its_kernels(drafting):
-    target = models.build(TARGET, seed=1, kernels=ops.PALLAS)
+@pytest.mark.parametrize("config,drafting", [(DENSE, "plain"), (TARGET, "plain"), (TARGET, "copies"),
+                                             (TARGET, "dflash2"), (MOE, "plain")],
+                         ids=["dense-bf16", "dense-4bit", "copies", "dflash2", "moe-4bit"])
+def test_a_gpu_lane_round_holds_no_loop_outside_its_kernels(config, drafting):
+    target = models.build(config, seed=1, kernels=ops.PALLAS)
     serving_layout(target)
     drafter = None
     if drafting == "dflash2":

@@ -2,7 +2,7 @@
 # The open issues' GPU checks in two calls, in priority order, each step under its own timeout, so a call cut short
 # still returns the first steps (issues 31, 32; docs/device.md "Next session's calls"):
 #   git worktree add --detach .gpu/base 1788943     # the tree before e6359c3 (the MoE gate's loop), for the A/B
-#   git worktree add --detach .gpu/kpad k-padded-pairs   # the branch k-padded-pairs (e1f7d35): SmolLM2's K=576 on the Mosaic kernel
+#   git worktree add --detach .gpu/kpad k-padded-pairs   # the branch k-padded-pairs (e11022a): SmolLM2's K=576 on the Mosaic kernel
 #   SMOLLM2=.gpu/models/smollm2 bash scripts/device/gpu_open_issues.sh PART   (carry .gpu/models, .gpu/base, .gpu/kpad)
 # PART 1 (issue 31, ~510 s): steps 1 and 2; PART 2 (issues 31, 32, ~510 s): steps 3 and 4. One device call each.
 # .gpu/models/smollm2: SmolLM2's config.json, generation_config.json and tokenizer files, no weights:

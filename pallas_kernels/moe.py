@@ -1,6 +1,8 @@
 """Pallas GPU (Triton) routed experts on MLX affine 4/8-bit weights: ``sum_s w[n, s] * expert_{idx[n, s]}(x[n])``.
 
-Shapes: ``x [N, D]``; ``idx``, ``weights`` ``[N, k]`` (row -> its k experts and their combine weights);
+Shapes: ``x [N, D]``; ``idx``, ``weights`` ``[N, k]`` (row -> its k experts and their combine weights; an expert
+id of -1 skips the pair: no program reads weights for it and its slot adds 0, so rows a lane round pads with cost
+no expert bytes);
 expert weights in the plain MLX layout, stacked: ``gate``/``up`` ``[E, I, D * bits // 32]`` uint32 with
 scales/biases ``[E, I, D // group_size]``, ``down`` ``[E, D, I * bits // 32]`` with ``[E, D, I // group_size]``.
 An expert is SwiGLU: ``down(silu(gate(x)) * up(x))``. Output ``[N, D]`` in ``x.dtype``.
@@ -163,12 +165,14 @@ def _check_tiles(d, i, group_size, bs: BlockSizes):
 def placement(idx: jax.Array, num_experts: int, block_m: int):
     """Pairs sorted by expert into tiles of ``block_m`` rows of one expert each.
 
-    Returns (tile_expert [T] i32, -1 for unused tiles; pair_row [T * block_m] i32, the padded row's pair
-    n * k + s or -1; row_of_pair [N * k] i32, the pair's padded row), with ``T = cdiv(P, bm) + min(P, E)``."""
+    Returns (tile_expert [T] i32, -1 for unused tiles and those of skipped pairs; pair_row [T * block_m] i32, the
+    padded row's pair n * k + s or -1; row_of_pair [N * k] i32, the pair's padded row), with
+    ``T = cdiv(P, bm) + min(P, E + 1)``."""
     p = idx.size
     flat = idx.reshape(-1).astype(jnp.int32)
-    tiles = pl.cdiv(p, block_m) + min(p, num_experts)
-    counts = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    flat = jnp.where(flat < 0, num_experts, flat)  # skipped pairs (-1): a bucket past the experts, whose tiles skip
+    tiles = pl.cdiv(p, block_m) + min(p, num_experts + 1)
+    counts = jnp.bincount(flat, length=num_experts + 1).astype(jnp.int32)
     padded = (counts + block_m - 1) // block_m * block_m
     pad_end = jnp.cumsum(padded)
     order = jnp.argsort(flat, stable=True)  # placement only: a pair's arithmetic does not depend on it
@@ -179,7 +183,7 @@ def placement(idx: jax.Array, num_experts: int, block_m: int):
     pair_row = jnp.full((tiles * block_m,), -1, jnp.int32).at[row_of_pair].set(jnp.arange(p, dtype=jnp.int32))
     first = jnp.arange(tiles, dtype=jnp.int32) * block_m
     tile_expert = jnp.searchsorted(pad_end, first, side="right").astype(jnp.int32)
-    tile_expert = jnp.where(first < pad_end[-1], tile_expert, -1)
+    tile_expert = jnp.where((first < pad_end[-1]) & (tile_expert < num_experts), tile_expert, -1)
     return tile_expert, pair_row, row_of_pair
 
 
@@ -245,7 +249,7 @@ def moe(x: jax.Array, idx: jax.Array, weights: jax.Array, gate: tuple, up: tuple
         interpret=interpret,
         name="moe_down",
     )(tile_expert, h, comb, *down)
-    y = jnp.take(y, row_of_pair, axis=0).reshape(n, k, d)
+    y = skipped_zero(jnp.take(y, row_of_pair, axis=0).reshape(n, k, d), idx)
     return y if slots else combine(y, x.dtype)
 
 
@@ -448,7 +452,12 @@ def _moe_rows(x, idx, weights, gate, up, down, *, bits, group_size, bs: RowsBloc
         y = y[0, :p]  # weighted in the kernel
     else:  # K slices: summed, rounded and weighted here (experts split over devices are then not exact)
         y = _sum_slices(y[:, :p]).astype(x.dtype).astype(jnp.float32) * w[:, None]
-    return y.reshape(n, k, d)  # the weighted slots; `moe` combines them
+    return skipped_zero(y.reshape(n, k, d), idx)  # the weighted slots; `moe` combines them
+
+
+def skipped_zero(y: jax.Array, idx: jax.Array) -> jax.Array:
+    """Slot outputs [N, k, D] with skipped pairs' (idx -1: no program wrote them) set to 0."""
+    return jnp.where((idx >= 0)[..., None], y, 0.0)
 
 
 def combine(y: jax.Array, dtype) -> jax.Array:
@@ -474,9 +483,10 @@ def reference(x: jax.Array, idx: jax.Array, weights: jax.Array, gate: tuple, up:
     """Plain XLA, gathering only the chosen experts: each pair (n, s) dequantizes its own expert's weights.
 
     A dense stack is ``(weight [E, out, in],)`` (``bits`` then unused for it). Every pair's matmuls are one batch
-    element of a batched dot, so a row's result depends only on its own input and experts (for a fixed N)."""
+    element of a batched dot, so a row's result depends only on its own input and experts (for a fixed N). A pair
+    of expert -1 adds 0 (it is computed on expert 0 here and dropped: shapes are static)."""
     n, k = idx.shape
-    flat = idx.reshape(-1)
+    flat = jnp.maximum(idx.reshape(-1), 0)
 
     def chosen(ws):  # the pairs' own experts: [P, out, in]
         if len(ws) == 1:  # a dense stack (a model may quantize only some projections)
@@ -490,4 +500,4 @@ def reference(x: jax.Array, idx: jax.Array, weights: jax.Array, gate: tuple, up:
     xs = jnp.repeat(x, k, axis=0)  # [P, D], pair n * k + s
     h = silu_mul(mm(xs, gate), mm(xs, up), x.dtype)
     y = mm(h, down).astype(x.dtype).astype(jnp.float32) * weights.reshape(-1, 1).astype(jnp.float32)
-    return combine(y.reshape(n, k, -1), x.dtype)
+    return combine(skipped_zero(y.reshape(n, k, -1), idx), x.dtype)

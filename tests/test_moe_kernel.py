@@ -81,13 +81,35 @@ def test_interpret_matches_reference_in_bf16_with_every_expert_shared_by_many_ro
 def test_placement_puts_every_pair_once_in_a_tile_of_its_own_expert():
     rng = np.random.default_rng(4)
     idx, _ = _routing(rng, 13, 3, 5, jnp.float32)
+    idx = idx.at[4].set(-1).at[7, 1].set(-1)  # a padding row and one slot of another: skipped pairs (4 of 39)
     tile_expert, pair_row, row_of_pair = (np.asarray(a) for a in moe.placement(idx, 5, 16))
-    assert tile_expert.shape == (-(-39 // 16) + 5,)
+    assert tile_expert.shape == (-(-39 // 16) + 6,)
     flat = np.asarray(idx).reshape(-1)
     np.testing.assert_array_equal(pair_row[row_of_pair], np.arange(39))
     assert (pair_row >= 0).sum() == 39
-    np.testing.assert_array_equal(tile_expert[row_of_pair // 16], flat)
+    np.testing.assert_array_equal(tile_expert[row_of_pair // 16], flat, err_msg="skipped pairs: skipped tiles only")
     assert (tile_expert[(pair_row.reshape(-1, 16) >= 0).any(axis=1) == 0] == -1).all(), "empty tiles are skipped"
+
+
+@pytest.mark.parametrize("rows,sort_above", [(False, 128), (False, 4), (True, 128), (True, 4)],
+                         ids=["grouped-a-tile-a-pair", "grouped-sorted", "rows-a-tile-a-pair", "rows-sorted"])
+def test_skipped_pairs_add_zero_and_leave_the_live_rows_bits_alone(rows, sort_above):
+    """Expert -1 (a lane round's padding row, or one slot of a row): the row's other slots keep their bits, a row
+    with every slot skipped is exactly 0, and the reference agrees; each placement, both kernel pairs."""
+    rng = np.random.default_rng(50)
+    stacks = _experts(rng, 6, 256, 128, 4, 32, jnp.float32)
+    idx, w = _routing(rng, 5, 2, 6, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((5, 256)), jnp.float32)
+    bs = dataclasses.replace(ROWS_SMALL if rows else SMALL, sort_above=sort_above)
+    f = lambda i: np.asarray(moe.moe(x, i, w, *stacks, group_size=32, rows=rows, block_sizes=bs, interpret=True))
+    skipped = idx.at[1].set(-1).at[3].set(-1).at[4, 0].set(-1)
+    full, got = f(idx), f(skipped)
+    np.testing.assert_array_equal(got[[0, 2]], full[[0, 2]])
+    assert (got[[1, 3]] == 0).all()
+    want = _by_hand(x, skipped, jnp.where(skipped >= 0, w, 0), stacks, 4, 32)  # by hand: skipped pairs weigh 0
+    assert _rel_err(got, want) < 1e-5
+    ref = np.asarray(moe.reference(x, skipped, w, *stacks, group_size=32))
+    assert (ref[[1, 3]] == 0).all() and _rel_err(ref, want) < 1e-5
 
 
 def _check_rows_invariant(f, d, e, k, dtype, seed, m_values):
@@ -193,6 +215,22 @@ def test_reference_path_rows_bit_identical_among_1_to_16_rows(bits):
         stacks = tuple((quant.dequantize(*s, bits=4, group_size=32),) for s in stacks)
     f = jax.jit(lambda x, i, w: ops.experts(x, i, w, *stacks, bits=bits, group_size=32))
     _check_rows_invariant(f, 64, 8, 2, jnp.float32, seed=8, m_values=tuple(range(1, 17)))
+
+
+def test_reference_path_skips_rows_that_are_not_live_and_keeps_the_live_rows_bits():
+    """`ops.experts(live=...)` on the CPU: a row not live gets 0 (its loop iteration does no work), the others
+    equal their bits with every row live, dense and 4-bit stacks."""
+    rng = np.random.default_rng(12)
+    stacks = _experts(rng, 8, 64, 32, 4, 32, jnp.float32)
+    idx, w = _routing(rng, 6, 2, 8, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((6, 64)), jnp.float32)
+    live = jnp.asarray([True, False, True, True, False, False])
+    for bits, st in ((4, stacks), (None, tuple((quant.dequantize(*s, bits=4, group_size=32),) for s in stacks))):
+        f = jax.jit(lambda x, i, w, live, st=st, bits=bits: ops.experts(x, i, w, *st, bits=bits, group_size=32,
+                                                                       live=live))
+        full, got = np.asarray(f(x, idx, w, None)), np.asarray(f(x, idx, w, live))
+        np.testing.assert_array_equal(got[[0, 2, 3]], full[[0, 2, 3]])
+        assert (got[[1, 4, 5]] == 0).all() and (full[[1, 4, 5]] != 0).all(), bits
 
 
 def test_reference_path_matches_each_expert_by_hand_for_dense_and_4bit():

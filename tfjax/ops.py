@@ -759,11 +759,10 @@ def qmatmul(x: jax.Array, weight: jax.Array, scales: jax.Array, biases: jax.Arra
 def _experts_per_shard(kernel, x: jax.Array, idx: jax.Array, weights: jax.Array, gate: tuple, up: tuple,
                        down: tuple) -> jax.Array:
     """The MoE kernel on each device's own experts inside `shard_map` (the stacks split by expert): a device runs the
-    kernel on every (row, slot) pair, those of other devices' experts pointed at its first expert with weight 0, and
-    keeps the weighted slot outputs [N, k, D] of its own; one all-gather brings every device's slots, each slot is
-    taken from its expert's device (a select, never a sum across devices), and the slots are summed in order 0..k-1
-    as on one device (`moe.combine`). A pair's arithmetic depends only on its row and expert (row invariance), so
-    TP=N equals TP=1 bit for bit; the kernel's work is not divided yet (every device runs every pair)."""
+    kernel on the (row, slot) pairs of its own experts (the others' expert id is -1: skipped, slot 0); one
+    all-gather brings every device's slots, each slot is taken from its expert's device (a select, never a sum
+    across devices), and the slots are summed in order 0..k-1 as on one device (`moe.combine`). A pair's arithmetic
+    depends only on its row and expert (row invariance), so TP=N equals TP=1 bit for bit."""
     mesh = active_mesh()
     tp, e = mesh.shape[MODEL_AXIS], gate[0].shape[0]
     local_e = e // tp
@@ -771,21 +770,24 @@ def _experts_per_shard(kernel, x: jax.Array, idx: jax.Array, weights: jax.Array,
     def local(x, idx, weights, gate, up, down):  # stacks [E/tp, ...]
         first = jax.lax.axis_index(MODEL_AXIS) * local_e
         mine = (idx >= first) & (idx < first + local_e)
-        y = kernel(x, jnp.where(mine, idx - first, 0), jnp.where(mine, weights, 0), gate, up, down, slots=True)
-        return jax.lax.all_gather(jnp.where(mine[..., None], y, 0.0), MODEL_AXIS)  # [tp, N, k, D]
+        y = kernel(x, jnp.where(mine, idx - first, -1), jnp.where(mine, weights, 0), gate, up, down, slots=True)
+        return jax.lax.all_gather(y, MODEL_AXIS)  # [tp, N, k, D]: other devices' and skipped pairs' slots are 0
 
     ln = 0 if _lanes(x) and _lanes(idx) and _lanes(weights) else None
     stacks = jax.tree.map(lambda a: _spec(a.ndim, 0), (gate, up, down))
     ys = _shard_map(local, mesh, (_spec(2, None, ln), _spec(2, None, ln), _spec(2, None, ln), *stacks),
                     _spec(4, None, None if ln is None else 1))(x, idx, weights, gate, up, down)
-    owner = idx // local_e  # [N, k]: the device holding each slot's expert
+    owner = jnp.maximum(idx, 0) // local_e  # [N, k]: the device holding each slot's expert (skipped: 0 everywhere)
     y = jnp.take_along_axis(ys, owner[None, :, :, None], axis=0)[0]  # [N, k, D]
     return moe.combine(y, x.dtype)
 
 
 def experts(x: jax.Array, idx: jax.Array, weights: jax.Array, gate: tuple, up: tuple, down: tuple, *,
-            bits: int | None, group_size: int = 64, rows: bool = False) -> jax.Array:
+            bits: int | None, group_size: int = 64, rows: bool = False, live: jax.Array | None = None) -> jax.Array:
     """Routed SwiGLU experts: x [N, D], idx/weights [N, k] -> sum_s weights[:, s] * expert_idx[:, s](x), [N, D].
+
+    `live` [N] bool: rows that are real; the others (a lane round's padding rows, idle lanes) read no expert and
+    get 0 (their pairs' expert id becomes -1, which every path skips), while a live row's arithmetic is unchanged.
 
     gate/up/down are (weight, scales, biases) stacks [E, out, ...] in the MLX layout, or (weight,) dense (`bits`
     is the quantized stacks' width; None when all are dense). Only the chosen experts are read: on GPU the Pallas
@@ -793,6 +795,8 @@ def experts(x: jax.Array, idx: jax.Array, weights: jax.Array, gate: tuple, up: t
     kernels and prompts the grouped GEMM; elsewhere the reference one row a loop iteration (row-invariant)."""
     d, i = x.shape[-1], gate[0].shape[1]
     mesh = active_mesh()
+    if live is not None:
+        idx = jnp.where(live[:, None], idx, -1)
     if _gpu() and bits is not None and all(len(s) == 3 for s in (gate, up, down)):
         per_shard = _sharded(mesh) and gate[0].shape[0] % mesh.shape[MODEL_AXIS] == 0
         rows_bs = moe.RowsBlockSizes.for_shapes(d, i, group_size, bits) if rows else None
@@ -809,11 +813,15 @@ def experts(x: jax.Array, idx: jax.Array, weights: jax.Array, gate: tuple, up: t
             if per_shard:
                 return _experts_per_shard(kernel, x, idx, weights, gate, up, down)
             return kernel(x, idx, weights, gate, up, down)
-    # one row a loop iteration: a tile of padding rows would gather and dequantize k experts each for nothing
+    # one row a loop iteration: a tile of padding rows would gather and dequantize k experts each for nothing; a row
+    # with no expert (not live) skips its iteration's work
     def rowwise_experts(x, idx, weights, gate, up, down):
-        one = lambda t: moe.reference(t[0][None], t[1][None], t[2][None], gate, up, down, bits=bits,  # noqa: E731
-                                      group_size=group_size)
-        return fenced_map(lambda t: one(t)[0], (x, idx, weights))
+        def one(t):
+            run = lambda t: moe.reference(t[0][None], t[1][None], t[2][None], gate, up, down, bits=bits,  # noqa: E731
+                                          group_size=group_size)[0]
+            return jax.lax.cond(jnp.any(t[1] >= 0), run, lambda t: jnp.zeros_like(t[0]), t)
+
+        return fenced_map(one, (x, idx, weights))
 
     if not (_sharded(mesh) and _lanes(x) and _lanes(idx)):
         return rowwise_experts(x, idx, weights, gate, up, down)

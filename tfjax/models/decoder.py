@@ -109,7 +109,8 @@ class DecoderLayer(nnx.Module):
             o, layer_cache = self.self_attn(h, positions, valid, layer_cache, page_table, mode, project=False)
             out_proj = self.self_attn.o_proj
         x, h = self.post_attention_layernorm.add(x, out_proj.partials(o, mode.rows), mode.rows)
-        return x_in, x, self.mlp.partials(h, mode.rows), layer_cache, trace
+        live = jnp.arange(h.shape[1])[None, :] < valid[:, None]  # rows past `valid` are padding: an MoE skips them
+        return x_in, x, self.mlp.partials(h, mode.rows, live), layer_cache, trace
 
 
 @jax.tree_util.register_dataclass

@@ -364,8 +364,9 @@ class MLP(nnx.Module):
         gate, up = projections(self, x, rows)
         return jax.nn.silu(gate) * up
 
-    def partials(self, x: jax.Array, rows: bool = False) -> jax.Array:
-        """The output as the down projection's partial sums (`Linear.partials`)."""
+    def partials(self, x: jax.Array, rows: bool = False, live: jax.Array | None = None) -> jax.Array:
+        """The output as the down projection's partial sums (`Linear.partials`); `live` unused (a dense MLP reads its
+        weights once for any number of rows)."""
         return self.down_proj.partials(self._hidden(x, rows), rows)
 
 

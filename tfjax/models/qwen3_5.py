@@ -140,7 +140,8 @@ class SparseMoE(nnx.Module):
         self.shared_expert_gate = Linear(c.hidden_size, 1, quant=quant_for(f"{prefix}.shared_expert_gate"),
                                          dtype=dt, rngs=rngs)
 
-    def __call__(self, x: jax.Array, rows: bool = False) -> jax.Array:
+    def __call__(self, x: jax.Array, rows: bool = False, live: jax.Array | None = None) -> jax.Array:
+        """`live` (x's leading shape, bool): the real rows; the others' routed experts are skipped (they add 0)."""
         lead, d = x.shape[:-1], x.shape[-1]
         xf = x.reshape(-1, d)
         logits = self.gate(xf, rows).astype(jnp.float32)
@@ -156,12 +157,12 @@ class SparseMoE(nnx.Module):
         else:
             routing, gate = route(logits), jax.nn.sigmoid(gate)
         top_p, top_i = routing[:, :k].astype(x.dtype), routing[:, k:].astype(jnp.int32)
-        routed = self.experts(xf, top_i, top_p, rows)
+        routed = self.experts(xf, top_i, top_p, rows, None if live is None else live.reshape(-1))
         shared = self.shared_expert(xf, rows) * gate
         return (routed + shared).reshape(*lead, d)
 
-    def partials(self, x: jax.Array, rows: bool = False) -> jax.Array:
-        return self(x, rows)[None]  # routed and shared experts come summed: one partial
+    def partials(self, x: jax.Array, rows: bool = False, live: jax.Array | None = None) -> jax.Array:
+        return self(x, rows, live)[None]  # routed and shared experts come summed: one partial
 
 
 class Experts(nnx.Module):
@@ -193,15 +194,16 @@ class Experts(nnx.Module):
             return (p["weight"][...],)
         return p["weight"][...], p["scales"][...], p["biases"][...]
 
-    def __call__(self, x: jax.Array, idx: jax.Array, weight: jax.Array, rows: bool = False) -> jax.Array:
+    def __call__(self, x: jax.Array, idx: jax.Array, weight: jax.Array, rows: bool = False,
+                 live: jax.Array | None = None) -> jax.Array:
         """x [N, D], idx/weight [N, k] -> sum_k weight * expert_idx(x) [N, D], reading only the chosen experts;
-        `rows`: lane-round rows (the row-invariant decode kernels on GPU)."""
+        `rows`: lane-round rows (the row-invariant decode kernels on GPU); `live` [N]: rows not live read none."""
         quantized = {q for _, q in self.quants if q is not None}  # a projection may stay dense (in % group)
         if len(quantized) > 1:
             raise ValueError(f"the experts' quantized projections must share one (bits, group), got {self.quants}")
         bits, group = quantized.pop() if quantized else (None, 64)
         return ops.experts(x, idx, weight, self.stack("gate_proj"), self.stack("up_proj"), self.stack("down_proj"),
-                           bits=bits, group_size=group, rows=rows)
+                           bits=bits, group_size=group, rows=rows, live=live)
 
 
 class Qwen3_5DecoderLayer(DecoderLayer):

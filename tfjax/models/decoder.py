@@ -93,10 +93,11 @@ class DecoderLayer(nnx.Module):
             raise ValueError(f"{type(self).__name__} has no {name}: this family's config asks for one")
         return cls
 
-    def __call__(self, x, pending, positions, valid, layer_cache, page_table, mode: Mode):
+    def __call__(self, x, pending, positions, valid, layer_cache, page_table, mode: Mode, live=None):
         """x: the residual stream before the previous layer's MLP update `pending` (partial sums; None for the first
         layer). Returns the stream with it (the previous layer's output), the stream before this layer's MLP update,
-        that update (partial sums, summed with the add before the next norm: `RMSNorm.add`), the cache and the trace."""
+        that update (partial sums, summed with the add before the next norm: `RMSNorm.add`), the cache and the trace.
+        `live` [B, T] bool: the rows before `valid` (an MoE reads no expert for the others)."""
         if pending is None:
             h = self.input_layernorm(x, mode.rows)
         else:
@@ -109,7 +110,6 @@ class DecoderLayer(nnx.Module):
             o, layer_cache = self.self_attn(h, positions, valid, layer_cache, page_table, mode, project=False)
             out_proj = self.self_attn.o_proj
         x, h = self.post_attention_layernorm.add(x, out_proj.partials(o, mode.rows), mode.rows)
-        live = jnp.arange(h.shape[1])[None, :] < valid[:, None]  # rows past `valid` are padding: an MoE skips them
         return x_in, x, self.mlp.partials(h, mode.rows, live), layer_cache, trace
 
 
@@ -173,10 +173,11 @@ class CausalLM(nnx.Module):
     def _forward(self, tokens, start, valid, cache, mode):
         b, t = tokens.shape
         positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        live = jnp.arange(t)[None, :] < valid[:, None]  # rows past `valid` are padding: an MoE skips them
         x = self.model["embed_tokens"](tokens)  # [B, T, D]
         new_layers, traces, tapped, pending = [], [], {}, None
         for i, (layer, lc) in enumerate(zip(self.model["layers"], cache.layers, strict=True)):
-            x_in, x, pending, lc, tr = layer(x, pending, positions, valid, lc, cache.page_table, mode)
+            x_in, x, pending, lc, tr = layer(x, pending, positions, valid, lc, cache.page_table, mode, live)
             new_layers.append(lc)
             traces.append(tr)
             if i:

@@ -770,7 +770,7 @@ def _experts_per_shard(kernel, x: jax.Array, idx: jax.Array, weights: jax.Array,
     def local(x, idx, weights, gate, up, down):  # stacks [E/tp, ...]
         first = jax.lax.axis_index(MODEL_AXIS) * local_e
         mine = (idx >= first) & (idx < first + local_e)
-        y = kernel(x, jnp.where(mine, idx - first, -1), jnp.where(mine, weights, 0), gate, up, down, slots=True)
+        y = kernel(x, jnp.where(mine, idx - first, -1), weights, gate, up, down, slots=True)
         return jax.lax.all_gather(y, MODEL_AXIS)  # [tp, N, k, D]: other devices' and skipped pairs' slots are 0
 
     ln = 0 if _lanes(x) and _lanes(idx) and _lanes(weights) else None

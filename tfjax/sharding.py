@@ -282,12 +282,13 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
 
 def fetch(tree):
     """`jax.device_get`, except that an array split over other processes' devices (lanes over a `data` axis that
-    spans hosts) is first gathered from every process: every process makes the same calls in the same order."""
-    def get(a):
+    spans hosts) is first gathered from every process: every process makes the same calls in the same order. The
+    local arrays' copies all start before the first is waited for (one wait, not one a leaf)."""
+    def gather(a):
         if isinstance(a, jax.Array) and not a.is_fully_addressable and not a.is_fully_replicated:
             from jax.experimental import multihost_utils
 
             return np.asarray(multihost_utils.process_allgather(a, tiled=True))
-        return jax.device_get(a)
+        return a
 
-    return jax.tree.map(get, tree)
+    return jax.device_get(jax.tree.map(gather, tree))

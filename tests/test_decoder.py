@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from tests.test_dflash2 import TARGET, drafter_config
 from tfjax import geometry, models
@@ -14,6 +15,7 @@ from tfjax.engine.runner import Runner
 from tfjax.lanes.config import LaneConfig
 from tfjax.lanes.drafter import Facts
 from tfjax.models import decoder
+from tfjax.models.layers import ROWS
 
 
 def test_every_family_builds_on_the_shared_decoder():
@@ -52,3 +54,16 @@ def test_a_block_drafter_declares_its_kind_and_the_runner_reads_it():
 def test_an_unknown_drafter_kind_is_a_clear_error():
     with pytest.raises(ValueError, match="Facts.kind='tree' must be 'chain' or 'block'"):
         Facts(kind="tree")
+
+
+def test_split_params_are_a_flat_tuple_that_merges_back_to_the_same_logits():
+    model = models.build(geometry.tiny_dense, seed=3)
+    graphdef, params = models.split(model)
+    assert isinstance(params, tuple) and len(params) == graphdef.treedef.num_leaves
+    tokens = jnp.asarray([[5, 9, 2, 7]], jnp.int32)
+    start, valid = jnp.zeros((1,), jnp.int32), jnp.full((1,), 4, jnp.int32)
+    nested_def, nested = nnx.split(model)  # the State as nnx gives it: the tuple must hold the same leaves in order
+    want, _, _ = models.forward(nested_def, nested, tokens, start, valid, model.init_cache(1, 32), ROWS)
+    got, _, _ = models.forward(graphdef, params, tokens, start, valid, model.init_cache(1, 32), ROWS)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert models.split(models.merge(graphdef, params))[0] == graphdef  # the same static key: no recompile

@@ -36,11 +36,11 @@ def round_ms(runner, rounds: int = 12) -> float:
     back to back and waited for once."""
     import jax
 
-    jax.block_until_ready(runner.dispatch().tokens)
+    jax.block_until_ready(runner.dispatch().packed)
     t0 = time.perf_counter()
     for _ in range(rounds):
         out = runner.dispatch()
-    jax.block_until_ready(out.tokens)
+    jax.block_until_ready(out.packed)
     return (time.perf_counter() - t0) / rounds * 1e3
 
 

@@ -91,12 +91,12 @@ def main():
     trivial = jax.jit(lambda p, s: s.length + 1, keep_unused=True)
     show("trivial jit over the round's params and state", host_ms(lambda: trivial(r.target_params, r.state),
                                                                   args.calls))
-    show("round dispatch (Runner.dispatch)", host_ms(r.dispatch, args.calls, lambda out: out.tokens.block_until_ready()))
+    show("round dispatch (Runner.dispatch)", host_ms(r.dispatch, args.calls, jax.block_until_ready))
     outs = []
 
     def finished():
         out = r.dispatch()
-        out.tokens.block_until_ready()
+        jax.block_until_ready(out)
         outs.append(out)
 
     def collect():

@@ -346,8 +346,7 @@ class Runner:
     @staticmethod
     def collect(out: lane_round_mod.RoundOut) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A dispatched round's committed tokens [L, W], counts [L], proposals offered [L] (waits for it)."""
-        tokens, count, proposed = sharding.fetch((out.tokens, out.count, out.proposed))
-        return tokens, count, proposed
+        return lane_round_mod.RoundOut.unpack(sharding.fetch(out.packed))
 
     @staticmethod
     def collect_logprobs(out: lane_round_mod.RoundOut) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:

@@ -26,6 +26,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tfjax import grammar, models, ops, sampling
 from tfjax.lanes.config import LaneConfig
@@ -69,12 +70,22 @@ class LaneState:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class RoundOut:
-    """Committed tokens [L, W] (the first `count` of each lane) and how many proposals were offered."""
+    """Each lane's committed tokens, count and proposals offered in one array `packed` [L, W + 2] (one output
+    buffer, one copy to the host a round): columns :W the tokens (the first `count`, then -1), W the count, W + 1
+    the proposals offered."""
 
-    tokens: jax.Array
-    count: jax.Array
-    proposed: jax.Array
+    packed: jax.Array
     logprobs: sampling.Logprobs | None = None  # of every row's chosen token (zeros when no lane wants them)
+
+    @staticmethod
+    def of(tokens: jax.Array, count: jax.Array, proposed: jax.Array, logprobs=None) -> RoundOut:
+        columns = [tokens.astype(jnp.int32), count.astype(jnp.int32)[:, None], proposed.astype(jnp.int32)[:, None]]
+        return RoundOut(jnp.concatenate(columns, axis=1), logprobs)
+
+    @staticmethod
+    def unpack(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(tokens [L, W], count [L], proposed [L]) of a fetched `packed`."""
+        return packed[:, :-2], packed[:, -2], packed[:, -1]
 
 
 def _forward(graphdef, params, tokens, start, valid, cache, mode):
@@ -154,8 +165,9 @@ def lane_round(target_def, target_params, drafter_def, drafter_params, state: La
                       (state, order))
     n = state.length.shape[0]
     logprobs = None if out.logprobs is None else jax.tree.map(lambda a: _spread(a, order, n), out.logprobs)
-    out = RoundOut(_spread(out.tokens, order, n, -1), _spread(out.count, order, n), _spread(out.proposed, order, n),
-                   logprobs)
+    w = out.packed.shape[1] - 2
+    idle = jnp.concatenate([jnp.full((n, w), -1, jnp.int32), jnp.zeros((n, 2), jnp.int32)], axis=1)  # no tokens
+    out = RoundOut(idle.at[order].set(out.packed), logprobs)
     return put_lanes(state, new, order), out
 
 
@@ -276,7 +288,7 @@ def _round(target_def, target_params, drafter_def, drafter_params, state: LaneSt
         gstate = grammar.advance(state.grammar, row_gstates, chosen, committed, state.gstate)
     new = dataclasses.replace(state, history=history, length=length + committed, cache=cache,
                               draft_cache=draft_cache, draft_len=draft_len, block=block, proc=proc, gstate=gstate)
-    return new, RoundOut(jnp.where(keep, chosen, -1), committed, count, logprobs)
+    return new, RoundOut.of(jnp.where(keep, chosen, -1), committed, count, logprobs)
 
 
 def choose_scores(logits: jax.Array, rows: jax.Array, state: LaneState,

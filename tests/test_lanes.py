@@ -245,3 +245,16 @@ def test_a_result_times_its_first_token_and_its_decode_apart(target, monkeypatch
     assert got.ttft_s == 5.0
     assert got.decode_s == float(got.rounds) and got.rounds >= 1  # one read a round, each the next one's tokens
     assert len(got.token_ids) == 6
+
+
+def test_a_rounds_packed_output_unpacks_to_its_tokens_counts_and_proposals():
+    import jax.numpy as jnp
+
+    from tfjax.lanes.round import RoundOut
+
+    tokens = jnp.asarray([[7, 8, -1], [9, -1, -1]], jnp.int32)
+    out = RoundOut.of(tokens, jnp.asarray([2, 1]), jnp.asarray([3, 0]))
+    got_tokens, count, proposed = RoundOut.unpack(np.asarray(out.packed))
+    np.testing.assert_array_equal(got_tokens, np.asarray(tokens))
+    np.testing.assert_array_equal(count, [2, 1])
+    np.testing.assert_array_equal(proposed, [3, 0])

@@ -79,6 +79,7 @@ class RoundOut:
 
     @staticmethod
     def of(tokens: jax.Array, count: jax.Array, proposed: jax.Array, logprobs=None) -> RoundOut:
+        """A round's tokens [L, W], counts [L] and proposals offered [L], packed as int32 columns."""
         columns = [tokens.astype(jnp.int32), count.astype(jnp.int32)[:, None], proposed.astype(jnp.int32)[:, None]]
         return RoundOut(jnp.concatenate(columns, axis=1), logprobs)
 

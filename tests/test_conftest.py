@@ -31,4 +31,5 @@ def test_compiled_programs_are_freed_past_the_mapping_threshold():
         jax.jit(lambda x, i=i: jnp.sin(x) * i)(jnp.ones(i + 1)).block_until_ready()
     held = memory_mappings()
     assert not free_compiled_programs_past(held + 1000), "under the threshold nothing is freed"
-    assert free_compiled_programs_past(held - 1) and memory_mappings() < held - 100
+    # past any threshold (0): a count just under `held` can pass unfreed where another thread unmapped meanwhile
+    assert free_compiled_programs_past(0) and memory_mappings() < held - 100

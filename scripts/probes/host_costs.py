@@ -92,26 +92,16 @@ def main():
     show("trivial jit over the round's params and state", host_ms(lambda: trivial(r.target_params, r.state),
                                                                   args.calls))
     show("round dispatch (Runner.dispatch)", host_ms(r.dispatch, args.calls, jax.block_until_ready))
-    outs = []
 
-    def finished():
+    def fetch_ms() -> float:  # a round run to its end first, untimed
         out = r.dispatch()
         jax.block_until_ready(out)
-        outs.append(out)
+        t = time.perf_counter()
+        r.collect(out)
+        return (time.perf_counter() - t) * 1e3
 
-    def collect():
-        return r.collect(outs.pop())
-
-    times = []
-    for _ in range(3):
-        ts = []
-        for _ in range(args.calls):
-            finished()
-            t = time.perf_counter()
-            collect()
-            ts.append(time.perf_counter() - t)
-        times.append(statistics.median(ts) * 1e3)
-    show("fetch of a finished round (Runner.collect)", times)
+    show("fetch of a finished round (Runner.collect)",
+         [statistics.median(fetch_ms() for _ in range(args.calls)) for _ in range(3)])
     show("engine step, pipelined (wall a round)", host_ms(eng.step, args.calls * 3, lambda _: None))
 
 

@@ -167,13 +167,13 @@ def lane_round(target_def, target_params, drafter_def, drafter_params, state: La
     n = state.length.shape[0]
     logprobs = None if out.logprobs is None else jax.tree.map(lambda a: _spread(a, order, n), out.logprobs)
     w = out.packed.shape[1] - 2
-    idle = jnp.concatenate([jnp.full((n, w), -1, jnp.int32), jnp.zeros((n, 2), jnp.int32)], axis=1)  # no tokens
-    out = RoundOut(idle.at[order].set(out.packed), logprobs)
+    idle = jnp.concatenate([jnp.full((w,), -1, jnp.int32), jnp.zeros((2,), jnp.int32)])  # a lane's row: no tokens
+    out = RoundOut(_spread(out.packed, order, n, idle), logprobs)
     return put_lanes(state, new, order), out
 
 
 def _spread(a: jax.Array, order: jax.Array, n: int, fill=0) -> jax.Array:
-    """Rows of lanes `order` placed among `n` lanes, the others `fill`."""
+    """Rows of lanes `order` placed among `n` lanes, the others `fill` (a scalar or one lane's row)."""
     return jnp.full((n, *a.shape[1:]), fill, a.dtype).at[order].set(a)
 
 

@@ -44,7 +44,7 @@ def decode_section(steps=20, context=2048, layers=0, modes=("reference", "kernel
         if mode == "kernel":
             fused, packed = serving_layout(model)
             print(f"  fused {fused} projection groups, repacked {packed} linears", flush=True)
-        gd, ps = nnx.split(model) if os.environ.get("BENCH_PARAMS") == "state" else models.split(model)  # A/B
+        gd, ps = models.split(model)
         cache = model.init_cache(1, span or context + 4 * steps + 64)
         key = jax.random.key(7)
         cache.layers = [DeltaState(l.conv, jax.random.normal(key, l.state.shape) * 0.01) if isinstance(l, DeltaState)

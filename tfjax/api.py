@@ -15,6 +15,7 @@ from tfjax.models.layers import fuse_projections, serving_layout, use_int8
 from tfjax.tokenizer import Tokenizer
 
 PREFIX_CACHE_GB = 2.0  # device memory for cached prompt prefixes beyond the lanes' own pages (0: off)
+ROUNDS = {"cpu": 4}  # backend -> lane rounds a call runs by default (absent: 1; docs/benchmarks.md, "rounds")
 QUANTIZE = ("none", "int8")  # "int8": dense weights requantized per channel, activations per row (`tfjax.int8`)
 
 
@@ -68,13 +69,20 @@ def generation_defaults(path: Path) -> dict:
     return {k: kinds[k](v) for k, v in config.items() if k in kinds and isinstance(v, int | float)}
 
 
+def default_rounds() -> int:
+    """Lane rounds a call runs by default: set by measurement on each backend (docs/benchmarks.md, "rounds")."""
+    import jax
+
+    return ROUNDS.get(jax.default_backend(), 1)
+
+
 class LLM:
     """A loaded target (and optional drafter) behind an engine with `lanes` lanes."""
 
     def __init__(self, path: Path, *, drafter: str | Path | None = None, lanes: int = 4, width: int = 8,
                  context: int = 2048, copy_match: int = 0, copies: bool = True, dtype: str | None = None,
                  model=None, prefix_cache_gb: float = PREFIX_CACHE_GB, tp: int | None = None, dp: int = 1,
-                 prefill_chunk: int | None = None, quantize: str = "none"):
+                 prefill_chunk: int | None = None, quantize: str = "none", rounds: int | None = None):
         self.path = path
         if quantize not in QUANTIZE:
             raise ValueError(f"quantize={quantize!r} is not one of {', '.join(QUANTIZE)}")
@@ -111,7 +119,9 @@ class LLM:
                 use_int8(m)
             if mesh is not None:  # a drafter stays whole on every device: its proposals never change the tokens
                 sharding.replicate(m, mesh)
-        self.lanes = LaneConfig(capacity=lanes, width=width, context=context)
+        # rounds: lane rounds one compiled call runs (None: the backend's measured default, `default_rounds`)
+        self.lanes = LaneConfig(capacity=lanes, width=width, context=context,
+                                rounds=default_rounds() if rounds is None else rounds)
         eos = tuple(self.tokenizer.eos_ids) or self.config.eos_token_id
         self.grammars = grammar.Grammars(self.tokenizer, eos, self.config.vocab_size)  # response_format
         self.engine = Engine(self.model, self.lanes, drafter=draft_model, eos_ids=eos, prefix_cache_gb=prefix_cache_gb,

@@ -71,6 +71,9 @@ def _add_model(p: argparse.ArgumentParser, *, context: int = 2048) -> None:
                    help="matching tokens before the lane's own context is copied as proposals (0: the default)")
     p.add_argument("--no-draft", action="store_true", help="the plain reference path: no proposals at all")
     p.add_argument("--dtype", default=None, help="weights' dtype (bfloat16, float32); default: the checkpoint's")
+    p.add_argument("--rounds", type=_positive, default=None,
+                   help="lane rounds one compiled call runs: one dispatch and one fetch for them all (default: the "
+                        "backend's measured best); lanes with logprobs, penalties or a grammar run one a call")
     p.add_argument("--quantize", default="none", choices=["none", "int8"],
                    help="int8: dense weights requantized to int8 per channel and each product's rows to int8 (1.5x "
                         "SmolLM2's decode speed on a 2-core CPU; other tokens than the checkpoint's own weights give)")
@@ -223,7 +226,7 @@ def _load(args, lanes: int, width: int = 8):
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115
     return api.load(args.model, drafter=_drafter(args), lanes=lanes, width=width, context=args.context,
                     copy_match=args.copy_match, dtype=args.dtype, prefix_cache_gb=args.prefix_cache_gb,
-                    tp=args.tp, dp=getattr(args, "dp", 1), quantize=args.quantize)
+                    tp=args.tp, dp=getattr(args, "dp", 1), quantize=args.quantize, rounds=args.rounds)
 
 
 def _sampling(args) -> dict:

@@ -36,13 +36,16 @@ costs() {  # TREE LABEL ARGS...: host_costs.py (HEAD's probe) on a tree's code
   local tree=$1 label=$2 L; shift 2; L=$(cap 120); [ $L -gt 60 ] || { echo "skip $label: $L s left"; return; }
   echo "== host costs, $label ($L s)"; date +%T
   PYTHONPATH=$tree timeout $L python3 scripts/probes/host_costs.py "$@" > $OUT/costs_$label.txt 2>&1
-  grep "|\|leaves)" $OUT/costs_$label.txt | grep -v "^|---\|host cost"
+  grep "|\|leaves)" $OUT/costs_$label.txt | grep -v "^|---\|host cost"; grep -m2 "Error\|flag" $OUT/costs_$label.txt
 }
 if [ "$PART" = 1 ]; then
   costs . leaves --leaves-only
   costs . moe8 --model /tmp/moe8 --random-weights 4
   XLA_FLAGS=--xla_gpu_enable_command_buffer= costs . moe8_no_command_buffers --model /tmp/moe8 --random-weights 4
+  XLA_FLAGS=--xla_gpu_command_buffer_update_mode=FULL_UPDATE_FREE costs . moe8_update_free --model /tmp/moe8 --random-weights 4
   costs . smollm2 --model $M --random-weights 4
+  XLA_FLAGS=--xla_gpu_enable_command_buffer= costs . smollm2_no_command_buffers --model $M --random-weights 4
+  XLA_FLAGS=--xla_gpu_command_buffer_update_mode=FULL_UPDATE_FREE costs . smollm2_update_free --model $M --random-weights 4
   [ -d .gpu/pre ] && costs .gpu/pre smollm2_pre --model $M --random-weights 4
   L=$(cap 150); if [ $L -gt 90 ] && [ -x .gpu/tools/py-spy ]; then
     echo "== py-spy (Python frames) over moe8's engine ($L s)"

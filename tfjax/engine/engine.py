@@ -188,7 +188,8 @@ class Engine:
 
     def _admit(self, req: Request, lane: int, plan: prefix_cache.Plan) -> None:
         first = self.runner.prefill(lane, req.prompt, self._sampling(req), req.draft, plan.pages, plan.resume,
-                                    plan.restore, plan.saves, proc=self._processors(req), token_grammar=req.grammar)
+                                    plan.restore, plan.saves, proc=self._processors(req), token_grammar=req.grammar,
+                                    max_tokens=req.max_tokens)
         self.prefix.commit(req.prompt, plan)
         slot = self.scheduler.running[lane]
         slot.first_token_at = time.perf_counter()
@@ -226,31 +227,33 @@ class Engine:
                 self._read(*previous)
 
     def _read(self, out, live: dict[int, int]) -> None:
-        """Hand a dispatched round's tokens to the requests that were live in it and still are."""
+        """Hand a dispatched call's tokens, round by round, to the requests that were live in it and still are."""
         try:
             tokens, count, proposed = self.runner.collect(out)
-        except Exception as e:  # the round failed on the device
+        except Exception as e:  # the call failed on the device
             self._reset(e)
             return
-        self.rounds += 1
-        lps = None  # None also from a round dispatched before any live lane wanted them
+        lps = None  # None also from a call dispatched before any live lane wanted them
         if any(self._wants_logprobs(s.request) for s in self.scheduler.running.values()):
             lps = self.runner.collect_logprobs(out)
-        for lane, request_id in live.items():
-            slot = self.scheduler.running.get(lane)
-            if slot is None or slot.request.id != request_id:  # ended (or replaced) since the dispatch
-                continue
-            n = int(count[lane])
-            try:
-                kept = self.scheduler.take(lane, [int(t) for t in tokens[lane, :n]], self.eos_ids, int(proposed[lane]))
-                if lps is not None and self._wants_logprobs(slot.request):
-                    self._add_logprobs(slot, lps[0][lane], lps[1][lane], lps[2][lane], n)
-                self._deliver(slot, kept)
-            except Exception as e:
-                self._fail(lane, e)
-                continue
-            if slot.finish_reason:
-                self._finish(lane)
+        for k in range(tokens.shape[0]):
+            self.rounds += 1
+            for lane, request_id in live.items():
+                slot = self.scheduler.running.get(lane)
+                if slot is None or slot.request.id != request_id:  # ended (or replaced) since the dispatch
+                    continue
+                n = int(count[k, lane])
+                try:
+                    kept = self.scheduler.take(lane, [int(t) for t in tokens[k, lane, :n]], self.eos_ids,
+                                               int(proposed[k, lane]))
+                    if lps is not None and self._wants_logprobs(slot.request):
+                        self._add_logprobs(slot, lps[0][k, lane], lps[1][k, lane], lps[2][k, lane], n)
+                    self._deliver(slot, kept)
+                except Exception as e:
+                    self._fail(lane, e)
+                    continue
+                if slot.finish_reason:
+                    self._finish(lane)
 
     def run(self, requests: list[Request]) -> list[Result]:
         """Submit requests and step until all of them are done (the synchronous API)."""

@@ -96,7 +96,8 @@ class Runner:
             sampling=sampling.SamplingParams.create(n), cache=cache, draft_cache=draft_cache,
             draft_len=jnp.zeros((n,), jnp.int32),
             block=blocks.empty_blocks(n, drafter.config.block_size) if self.block_drafter else None,
-            proc=sampling.Processors.create(n, self.vocab), gstate=grammar.start(jnp.full((n,), -1, jnp.int32)))
+            proc=sampling.Processors.create(n, self.vocab), gstate=grammar.start(jnp.full((n,), -1, jnp.int32)),
+            end=jnp.full((n,), lanes.context, jnp.int32))
         self.pools = [snapshots.empty_pool(cache, self.snapshot_slots), snapshots.empty_pool(draft_cache,
                                                                                               self.snapshot_slots)]
         if getattr(target, "mesh", None) is not None:  # tensor parallel: caches by head, lanes over `data`
@@ -238,8 +239,9 @@ class Runner:
     def prefill(self, lane: int, prompt: list[int], params: sampling.SamplingParams, drafting: bool,
                 pages: list[int], resume: int = 0, restore: int | None = None,
                 saves: dict[int, int] | None = None, proc: sampling.Processors | None = None,
-                token_grammar: grammar.TokenGrammar | None = None) -> int:
-        """Feed a prompt into `lane` (and the drafter), pick its first token, and make the lane live.
+                token_grammar: grammar.TokenGrammar | None = None, max_tokens: int | None = None) -> int:
+        """Feed a prompt into `lane` (and the drafter), pick its first token, and make the lane live; its rounds stop
+        once it has `max_tokens` tokens after the prompt (None: at the context).
 
         With a cached prefix, the first `resume` tokens (a multiple of `grain`) are already in `pages`; snapshot slot
         `restore` holds the DeltaNet state there. `saves` maps grid boundaries to slots to snapshot into."""
@@ -268,8 +270,9 @@ class Runner:
         history = np.zeros((self.lanes.context,), np.int32)
         history[: len(prompt)] = prompt_arr
         history[len(prompt)] = first
+        end = self.lanes.context if max_tokens is None else min(len(prompt) + max_tokens, self.lanes.context)
         self.state = lane_round_mod.admit(st, jnp.int32(lane), jnp.asarray(history), jnp.int32(len(prompt) + 1),
-                                          jnp.bool_(drafting), params, jnp.asarray(row))
+                                          jnp.bool_(drafting), params, jnp.asarray(row), jnp.int32(end))
         self.state = lane_round_mod.admit_processors(self.state, jnp.int32(lane), proc, jnp.int32(first),
                                                      jnp.int32(initial))
         if self.block_drafter:
@@ -345,12 +348,13 @@ class Runner:
 
     @staticmethod
     def collect(out: lane_round_mod.RoundOut) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """A dispatched round's committed tokens [L, W], counts [L], proposals offered [L] (waits for it)."""
+        """A dispatched call's committed tokens [K, L, W], counts [K, L], proposals offered [K, L], a row a round
+        (waits for it)."""
         return lane_round_mod.RoundOut.unpack(sharding.fetch(out.packed))
 
     @staticmethod
     def collect_logprobs(out: lane_round_mod.RoundOut) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """A round's chosen-token logprobs [L, W], top ids and top logprobs [L, W, K] (waits for it)."""
+        """A call's chosen-token logprobs [R, L, W], top ids and top logprobs [R, L, W, K] (waits for it)."""
         lp = out.logprobs
         if lp is None:  # a round without processors: no live lane wanted them when it was dispatched
             return None

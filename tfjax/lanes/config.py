@@ -11,7 +11,8 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class LaneConfig:
-    """Lane capacity and round shape; `width` rows per lane per round = 1 pending + proposals."""
+    """Lane capacity and round shape; `width` rows per lane per round = 1 pending + proposals; `rounds` rounds
+    run by one call of the compiled round (one dispatch and one fetch for them all)."""
 
     capacity: int
     width: int
@@ -19,9 +20,10 @@ class LaneConfig:
     enter_match: int = 5
     long_match: int = 20
     page_size: int = 16
+    rounds: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("capacity", "width", "context", "enter_match", "long_match", "page_size"):
+        for name in ("capacity", "width", "context", "enter_match", "long_match", "page_size", "rounds"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"LaneConfig.{name} must be an int, got {value!r}")

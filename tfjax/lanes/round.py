@@ -65,6 +65,7 @@ class LaneState:
     proc: sampling.Processors | None = None  # penalties, logit_bias, logprobs wanted (per lane, data)
     grammar: grammar.Device | None = None  # the packed grammar tables (grammar.py), None until first used
     gstate: grammar.Position | None = None  # [L] each lane's grammar position after its history (state -1: none)
+    end: jax.Array | None = None  # [L] i32, the length where a lane's request has all its tokens: it stops there
 
 
 @jax.tree_util.register_dataclass
@@ -72,7 +73,7 @@ class LaneState:
 class RoundOut:
     """Each lane's committed tokens, count and proposals offered in one array `packed` [L, W + 2] (one output
     buffer, one copy to the host a round): columns :W the tokens (the first `count`, then -1), W the count, W + 1
-    the proposals offered."""
+    the proposals offered. A call's rounds stack them: [K, L, W + 2]."""
 
     packed: jax.Array
     logprobs: sampling.Logprobs | None = None  # of every row's chosen token (zeros when no lane wants them)
@@ -85,8 +86,8 @@ class RoundOut:
 
     @staticmethod
     def unpack(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(tokens [L, W], count [L], proposed [L]) of a fetched `packed`."""
-        return packed[:, :-2], packed[:, -2], packed[:, -1]
+        """(tokens [..., L, W], count [..., L], proposed [..., L]) of a fetched `packed`."""
+        return packed[..., :-2], packed[..., -2], packed[..., -1]
 
 
 def _forward(graphdef, params, tokens, start, valid, cache, mode):
@@ -158,18 +159,56 @@ def put_lanes(state: LaneState, sub: LaneState, order: jax.Array) -> LaneState:
 @functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "spec"), donate_argnames=("state",))
 def lane_round(target_def, target_params, drafter_def, drafter_params, state: LaneState, spec: RoundSpec,
                order: jax.Array | None = None) -> tuple[LaneState, RoundOut]:
-    """One round for all lanes, or for the lanes `order` [B] only (the others' outputs: no tokens); `spec`, the
-    graphdefs and array shapes (B among them) are the only compile keys."""
+    """`call_rounds(spec)` rounds for all lanes, or for the lanes `order` [B] only (the others' outputs: no tokens),
+    their outputs stacked [K, L, ...]; `spec`, the graphdefs and array shapes (B among them) are the only compile
+    keys."""
     if order is None:
-        return _round(target_def, target_params, drafter_def, drafter_params, state, spec)
-    new, out = _round(target_def, target_params, drafter_def, drafter_params, take_lanes(state, order), spec,
-                      (state, order))
+        return _rounds(target_def, target_params, drafter_def, drafter_params, state, spec)
+    new, out = _rounds(target_def, target_params, drafter_def, drafter_params, take_lanes(state, order), spec,
+                       (state, order))
     n = state.length.shape[0]
-    logprobs = None if out.logprobs is None else jax.tree.map(lambda a: _spread(a, order, n), out.logprobs)
-    w = out.packed.shape[1] - 2
+    spread = lambda a, fill=0: jax.vmap(lambda r: _spread(r, order, n, fill))(a)  # noqa: E731 (a round at a time)
+    logprobs = None if out.logprobs is None else jax.tree.map(spread, out.logprobs)
+    w = out.packed.shape[-1] - 2
     idle = jnp.concatenate([jnp.full((w,), -1, jnp.int32), jnp.zeros((2,), jnp.int32)])  # a lane's row: no tokens
-    out = RoundOut(_spread(out.packed, order, n, idle), logprobs)
+    out = RoundOut(spread(out.packed, idle), logprobs)
     return put_lanes(state, new, order), out
+
+
+def call_rounds(spec: RoundSpec) -> int:
+    """Rounds one call runs: the lanes' `rounds`, or one when processors are traced (their bucketed rounds read
+    every lane's counts and grammar state, which only the call's start has)."""
+    return 1 if spec.processors else spec.lanes.rounds
+
+
+def _rounds(target_def, target_params, drafter_def, drafter_params, state: LaneState, spec: RoundSpec,
+            full: tuple[LaneState, jax.Array] | None = None) -> tuple[LaneState, RoundOut]:
+    """The call's rounds one after another (a scan: one compiled round body). A lane whose request has all its
+    tokens (`length >= end`) sits the rest out as an idle lane does: it writes nowhere and commits nothing."""
+
+    def one(st: LaneState, _) -> tuple[LaneState, RoundOut]:
+        live = st.active if st.end is None else st.active & (st.length < st.end)
+        new, out = _round(target_def, target_params, drafter_def, drafter_params,
+                          dataclasses.replace(st, active=live), spec, full)
+        return dataclasses.replace(new, active=st.active), out
+
+    k = call_rounds(spec)
+    if k == 1:
+        new, out = one(state, None)
+        return new, jax.tree.map(lambda a: a[None], out)
+    empty = jax.eval_shape(one, state, None)[1]
+
+    def idle(st: LaneState, _) -> tuple[LaneState, RoundOut]:  # every lane has its tokens: no round to compute
+        w = empty.packed.shape[-1] - 2
+        row = jnp.concatenate([jnp.full((w,), -1, jnp.int32), jnp.zeros((2,), jnp.int32)])
+        return st, RoundOut(jnp.broadcast_to(row, empty.packed.shape), jax.tree.map(
+            lambda s: jnp.zeros(s.shape, s.dtype), empty.logprobs))
+
+    def maybe(st: LaneState, x) -> tuple[LaneState, RoundOut]:
+        live = st.active if st.end is None else st.active & (st.length < st.end)
+        return jax.lax.cond(jnp.any(live), one, idle, st, x)
+
+    return jax.lax.scan(maybe, state, None, length=k)
 
 
 def _spread(a: jax.Array, order: jax.Array, n: int, fill=0) -> jax.Array:
@@ -353,8 +392,8 @@ def prefill_chunk(graphdef, params, cache: Cache, lane: jax.Array, tokens: jax.A
 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def admit(state: LaneState, lane: jax.Array, history_row: jax.Array, length: jax.Array, drafting: jax.Array,
-          params: sampling.SamplingParams, page_row: jax.Array) -> LaneState:
-    """Make `lane` live with its prompt + first token, sampling params and pages."""
+          params: sampling.SamplingParams, page_row: jax.Array, end: jax.Array) -> LaneState:
+    """Make `lane` live with its prompt + first token, sampling params, pages and the length where it stops."""
     def put(a, v):
         return a.at[lane].set(v)
 
@@ -366,7 +405,8 @@ def admit(state: LaneState, lane: jax.Array, history_row: jax.Array, length: jax
     return dataclasses.replace(state, history=put(state.history, history_row), length=put(state.length, length),
                                active=put(state.active, True), drafting=put(state.drafting, drafting),
                                sampling=samp, cache=cache, draft_cache=draft_cache,
-                               draft_len=put(state.draft_len, length - 1))
+                               draft_len=put(state.draft_len, length - 1),
+                               end=None if state.end is None else put(state.end, end))
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))

@@ -533,7 +533,7 @@ class Server:
     async def health(self, http: HttpRequest) -> Response:
         lanes = self.engine.lanes
         body = {"status": "ok" if self.worker.alive else "engine_stopped", "model": self.name,
-                "lanes": lanes.capacity, "width": lanes.width, "context": lanes.context,
+                "lanes": lanes.capacity, "width": lanes.width, "context": lanes.context, "rounds": lanes.rounds,
                 "drafts": self.drafts, "drafter": getattr(self.llm, "drafter_name", None),
                 "queue_depth": self.worker.queued(), "lanes_busy": len(self.engine.scheduler.running)}
         return JSONResponse(body, status_code=200 if self.worker.alive else 503)

@@ -1,0 +1,100 @@
+"""Several rounds in one call (`LaneConfig.rounds`) give every request the tokens one-round calls give it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from tfjax import geometry, models
+from tfjax.engine import Engine, Request
+from tfjax.lanes import round as lane_round
+from tfjax.lanes.config import LaneConfig
+from tfjax.lanes.drafter import RoundFacts
+
+ONE = LaneConfig(capacity=4, width=5, context=192, page_size=16)
+FOUR = dataclasses.replace(ONE, rounds=4)
+SAMPLED = dict(temperature=1.0, top_k=20, top_p=0.95)
+COPIES = RoundFacts(copy_match=1)
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    """A prompt with a repeated span, so root copies find matches."""
+    rng = np.random.default_rng(seed)
+    span = rng.integers(0, 250, 12).tolist()
+    return (rng.integers(0, 250, n - 24).tolist() + span + span)[:n]
+
+
+def _staggered(target, lanes, requests, drafter=None, facts=COPIES):
+    """Each request submitted a step after the one before (arrivals mid-call), run to the end: (results, engine)."""
+    engine = Engine(target, lanes, drafter=drafter, eos_ids=())
+    engine.runner.set_facts(facts)
+    ids = []
+    for r in requests:
+        ids.append(engine.submit(r))
+        engine.step()
+    while any(i not in engine.results for i in ids):
+        engine.step()
+    return [engine.results.pop(i) for i in ids], engine
+
+
+def _requests(stop_ids=()):
+    # lengths apart, so lanes end inside a call and the live lanes' bucket shrinks; greedy and sampled
+    return [Request(_prompt(40 + i, 30 + 5 * i), max_tokens=7 + 6 * i, stop_ids=stop_ids,
+                    **(SAMPLED if i % 2 else {})) for i in range(4)]
+
+
+def test_four_rounds_a_call_give_the_tokens_of_one_round_calls_with_copies(target):
+    one, _ = _staggered(target, ONE, _requests())
+    four, engine = _staggered(target, FOUR, _requests())
+    assert [r.token_ids for r in four] == [r.token_ids for r in one]
+    assert [len(r.token_ids) for r in four] == [7, 13, 19, 25]
+    assert sum(r.proposed for r in four) > 0, "copies never proposed: the test would not exercise them"
+    assert engine.rounds > 4 * 3, "too few rounds for calls of four to have run"
+
+
+def test_a_stop_inside_a_call_cuts_the_reply_where_one_round_calls_cut_it(target):
+    plain, _ = _staggered(target, ONE, _requests())
+    stop = plain[3].token_ids[9]  # the longest request stops at its tenth token, inside some call's rounds
+    one, _ = _staggered(target, ONE, _requests(stop_ids=(stop,)))
+    four, _ = _staggered(target, FOUR, _requests(stop_ids=(stop,)))
+    assert [r.token_ids for r in four] == [r.token_ids for r in one]
+    assert one[3].token_ids[-1] == stop and len(one[3].token_ids) <= 10
+
+
+def test_four_rounds_a_call_with_a_draft_model_equal_plain(target):
+    drafter = models.build(geometry.tiny_dense.replace(num_hidden_layers=2, layer_types=(
+        "linear_attention", "full_attention")), seed=12)
+    plain, _ = _staggered(target, ONE, [dataclasses.replace(r, draft=False) for r in _requests()],
+                          facts=RoundFacts(copy_match=0))
+    drafted, _ = _staggered(target, FOUR, _requests(), drafter=drafter, facts=RoundFacts(copy_match=0))
+    assert [r.token_ids for r in drafted] == [r.token_ids for r in plain]
+    assert all(r.proposed > 0 for r in drafted)
+
+
+def test_a_lane_stops_at_its_last_token_inside_a_call(target):
+    """The call's later rounds leave a lane that has all its tokens as it was (no token past its pages)."""
+    engine = Engine(target, FOUR, eos_ids=())
+    engine.runner.set_facts(RoundFacts(copy_match=0))
+    prompt = _prompt(7, 30)
+    engine.submit(Request(prompt, max_tokens=2))  # a token from the prompt, one round, then three rounds idle
+    engine.step()
+    out = engine.runner.dispatch()  # a second call while the first is in flight: four more rounds for the lane
+    engine.step()
+    tokens, count, _ = engine.runner.collect(out)
+    assert tokens.shape[0] == 4
+    assert count[:, 0].tolist() == [0, 0, 0, 0]
+    assert int(engine.runner.state.length[0]) == len(prompt) + 2
+
+
+def test_a_lane_with_processors_runs_one_round_a_call(target):
+    """Logprobs (a processor) make the call one round; the tokens and logprobs stay those of one-round calls."""
+    spec = lane_round.RoundSpec(FOUR, RoundFacts(copy_match=1))
+    assert lane_round.call_rounds(spec) == 1
+    assert lane_round.call_rounds(dataclasses.replace(spec, processors=False)) == 4
+    reqs = lambda: [Request(_prompt(60 + i, 32), max_tokens=9, logprobs=True, top_logprobs=2) for i in range(2)]  # noqa: E731
+    one, _ = _staggered(target, ONE, reqs())
+    four, _ = _staggered(target, FOUR, reqs())
+    for a, b in zip(one, four, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == b.logprobs

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The open issues' GPU checks in three calls, in priority order, each step under its own timeout and a call deadline,
+# The open issues' GPU checks in four calls, in priority order, each step under its own timeout and a call deadline,
 # so a call cut short still returns its first steps (issues 31, 32; docs/device.md "Next session's calls"):
 #   git worktree add --detach .gpu/n1 865ea9d       # before 73f8dd9 (a lane's padding rows skip their experts)
 #   git worktree add --detach .gpu/pre f8bf68b      # before 11d7d80 (params as a flat tuple)
@@ -8,28 +8,31 @@
 # .gpu/models/smollm2: SmolLM2's config.json, generation_config.json and tokenizer files, no weights:
 #   mkdir -p .gpu/models/smollm2 && cp ~/.cache/tfjax/smollm2-bf16/{config,generation_config,tokenizer,tokenizer_config}.json .gpu/models/smollm2/
 # A moe8 bench_generate process takes ~80 s on the H100 (load, compile, 3 runs): never give it less than 150 s.
-# PART 1 (issue 32, ~480 s): where a host-bound round's host time goes (scripts/probes/host_costs.py): the per-leaf
+# PART 1 (issues 31, 32, ~500 s): lane rounds a call (LaneConfig.rounds, 091ce83), 1 against 4, moe8 in turns, two
+#   processes each, then SmolLM2; then 4 with XLA's while loops and conditionals in the command buffer (if the
+#   default list leaves them out, each round's loop step or skip costs the host a sync). This sets api.ROUNDS["gpu"].
+# PART 2 (issue 32, ~480 s): where a host-bound round's host time goes (scripts/probes/host_costs.py): the per-leaf
 #   cost of a jitted call, moe8 and SmolLM2 at HEAD, moe8 with XLA's command buffers off, SmolLM2 before the flat
 #   params; then py-spy (Python frames only: --native pauses the process and starved a run in the thirteenth session).
-# PART 2 (issue 31, ~520 s): moe8 plain through the engine, before and after 73f8dd9, in turns, two processes each;
+# PART 3 (issue 31, ~520 s): moe8 plain through the engine, before and after 73f8dd9, in turns, two processes each;
 #   the 40-layer moe35a3 at 1 lane against its roofline.
-# PART 3 (issue 32, ~450 s): SmolLM2 plain 4-bit, main against the branch k-padded-pairs, in turns; the MoE rows GPU
+# PART 4 (issue 32, ~450 s): SmolLM2 plain 4-bit, main against the branch k-padded-pairs, in turns; the MoE rows GPU
 #   test with a stack dump if it hangs. Full logs under $OUT.
 set -u
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda TFJAX_COMPILE_CACHE=off
 filt() { grep -v "^W0\|^I0\|^E0000\|tensor/s\]\|it/s\]\|Warning\|warn("; }
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 M=${SMOLLM2:-.gpu/models/smollm2}
-PART=${1:?give the part: 1, 2 or 3}
+PART=${1:?give the part: 1, 2, 3 or 4}
 T0=$(date +%s); left() { echo $(( 570 - ($(date +%s) - T0) )); }
 cap() { local L; L=$(left); echo $(( L < $1 ? L : $1 )); }  # a step's timeout: its own, or what the call has left
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; date +%T
 PYTHONPATH=. python3 scripts/moe_folder.py /tmp/moe8 --layers 8 > /dev/null 2>&1
-gen() {  # TREE LABEL MODEL TOKENS: one bench_generate process, plain, one lane at 2k
+gen() {  # TREE LABEL MODEL TOKENS [ARGS...]: one bench_generate process, plain, one lane at 2k
   local L; L=$(cap 160); [ $L -gt 90 ] || { echo "skip $2: $L s left"; return; }
   echo "== $2 ($L s)"; date +%T
   PYTHONPATH=$1 timeout $L python3 $1/scripts/bench_generate.py --model $3 --random-weights 4 --cells "code new" \
-    --sampling greedy --tokens $4 --runs 3 --context 2048 --copy-match 0 > $OUT/gen_$2.txt 2>&1
+    --sampling greedy --tokens $4 --runs 3 --context 2048 --copy-match 0 "${@:5}" > $OUT/gen_$2.txt 2>&1
   grep "|" $OUT/gen_$2.txt | tail -1
 }
 costs() {  # TREE LABEL ARGS...: host_costs.py (HEAD's probe) on a tree's code
@@ -39,6 +42,11 @@ costs() {  # TREE LABEL ARGS...: host_costs.py (HEAD's probe) on a tree's code
   grep "|\|leaves)" $OUT/costs_$label.txt | grep -v "^|---\|host cost"; grep -m2 "Error\|flag" $OUT/costs_$label.txt
 }
 if [ "$PART" = 1 ]; then
+  for i in a b; do gen . moe8_rounds1_$i /tmp/moe8 64 --rounds 1; gen . moe8_rounds4_$i /tmp/moe8 64 --rounds 4; done
+  gen . smollm2_rounds1 $M 128 --rounds 1; gen . smollm2_rounds4 $M 128 --rounds 4
+  XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL \
+    gen . moe8_rounds4_loops_in_graph /tmp/moe8 64 --rounds 4; grep -m2 "rror" $OUT/gen_moe8_rounds4_loops_in_graph.txt
+elif [ "$PART" = 2 ]; then
   costs . leaves --leaves-only
   costs . moe8 --model /tmp/moe8 --random-weights 4
   XLA_FLAGS=--xla_gpu_enable_command_buffer= costs . moe8_no_command_buffers --model /tmp/moe8 --random-weights 4
@@ -53,7 +61,7 @@ if [ "$PART" = 1 ]; then
       python3 scripts/probes/host_costs.py --model /tmp/moe8 --random-weights 4 > $OUT/pyspy_run.txt 2>&1
     ls -la $OUT/moe8_pyspy.raw
   fi
-elif [ "$PART" = 2 ]; then
+elif [ "$PART" = 3 ]; then
   for i in a b; do gen .gpu/n1 moe8_n1_$i /tmp/moe8 64; gen . moe8_head_$i /tmp/moe8 64; done
   L=$(cap 200); if [ $L -gt 100 ]; then
     echo "== moe35a3 40 layers, 1 lane at 2k, against the roofline ($L s)"; date +%T

@@ -201,7 +201,7 @@ class Engine:
         self._deliver(slot, kept)
 
     def step(self) -> None:
-        """Admit what fits, then one round for all live lanes."""
+        """Admit what fits, then one call of rounds for all live lanes (and read the call before it)."""
         with self.lock:
             for req, lane, plan in self.scheduler.admissible():
                 slot = self.scheduler.running.get(lane)
@@ -237,7 +237,7 @@ class Engine:
         if any(self._wants_logprobs(s.request) for s in self.scheduler.running.values()):
             lps = self.runner.collect_logprobs(out)
         for k in range(tokens.shape[0]):
-            self.rounds += 1
+            self.rounds += bool(count[k].any())  # a call's rounds after every lane had its tokens did not run
             for lane, request_id in live.items():
                 slot = self.scheduler.running.get(lane)
                 if slot is None or slot.request.id != request_id:  # ended (or replaced) since the dispatch

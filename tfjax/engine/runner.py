@@ -190,7 +190,8 @@ class Runner:
         params, proc = sampling.SamplingParams.create(1), sampling.Processors.for_request(self.vocab, [0])
         first = jnp.zeros((1,), jnp.int32)
         yield lane_round_mod.admit.lower(st, zero, jnp.zeros((self.lanes.context,), jnp.int32), zero,
-                                         jnp.bool_(False), params, jnp.zeros((self.lanes.pages_per_lane,), jnp.int32))
+                                         jnp.bool_(False), params, jnp.zeros((self.lanes.pages_per_lane,), jnp.int32),
+                                         zero)
         yield lane_round_mod.admit_processors.lower(st, zero, proc, first[0], first[0])
         yield lane_round_mod.release.lower(st, zero)
         if getattr(self._models[0], "mesh", None) is None:  # a mesh's logits come sharded: that program as met
@@ -332,7 +333,8 @@ class Runner:
                                                   self.drafter_params, self.state, spec, order)
 
     def dispatch(self) -> lane_round_mod.RoundOut:
-        """Enqueue one lane round (asynchronous); the lane state moves on, its output stays on the device."""
+        """Enqueue one call of lane rounds (`LaneConfig.rounds`; asynchronous): the lane state moves on, the output
+        stays on the device."""
         lanes = self.round_lanes()
         if lanes is None:
             order = None

@@ -105,6 +105,30 @@ def test_quantize_reaches_tfjax_load_under_the_same_name(monkeypatch, argv, want
     assert seen["quantize"] == want
 
 
+@pytest.mark.parametrize("argv,want", [(["generate", "m", "hi", "--rounds", "4"], 4), (["serve", "m", "--rounds", "2"], 2),
+                                       (["chat", "m"], None)])
+def test_rounds_reach_tfjax_load_under_the_same_name(monkeypatch, argv, want):
+    seen = {}
+    monkeypatch.setattr(api, "load", lambda model, **kw: seen.update(kw))
+    cli._load(cli.parser().parse_args(argv), lanes=4)
+    assert seen["rounds"] == want
+
+
+def test_rounds_give_the_api_the_replies_of_one_round_a_call(tiny, tiny_llm):
+    four = api.load(tiny, lanes=2, context=256, rounds=4)
+    assert (four.lanes.rounds, tiny_llm.lanes.rounds) == (4, 1)
+    prompts = ["The capital of France is", "One, two, three,"]
+    kw = dict(max_tokens=11, temperature=0.8, seed=5)
+    assert [g.token_ids for g in four.generate_many(prompts, **kw)] == \
+        [tiny_llm.generate(p, **kw).token_ids for p in prompts]
+
+
+def test_rounds_below_one_are_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.parser().parse_args(["generate", "m", "hi", "--rounds", "0"])
+    assert e.value.code == 2 and "--rounds" in capsys.readouterr().err
+
+
 def test_an_unknown_quantize_value_is_refused_by_the_parser(capsys):
     with pytest.raises(SystemExit) as e:
         cli.parser().parse_args(["generate", "m", "hi", "--quantize", "int4"])

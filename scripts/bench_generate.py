@@ -107,6 +107,8 @@ def main():
     ap.add_argument("--copy-match", type=int, default=5)
     ap.add_argument("--width", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=None, help="lane rounds a call runs (default: the backend's)")
+    ap.add_argument("--lanes", type=int, default=None,
+                    help="lane capacity (default: --streams): more than the streams runs the rounds' lane buckets")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--plain-twice", action="store_true", help="a second plain row: is plain decoding deterministic?")
     ap.add_argument("--exact", action="store_true",
@@ -121,7 +123,7 @@ def main():
     ap.add_argument("--runs", type=int, default=1, help="timed runs of every mode, in turns: tok/s is their median "
                     "(min..max); hashes are checked on every run")
     args = ap.parse_args()
-    kw = dict(lanes=max(1, args.streams), width=args.width, context=args.context, rounds=args.rounds)
+    kw = dict(lanes=args.lanes or max(1, args.streams), width=args.width, context=args.context, rounds=args.rounds)
     if args.random_weights is not None:
         kw["model"] = random_model(args.model, args.random_weights)
     engines = {"copies": api.load(args.model, copy_match=args.copy_match, **kw)}

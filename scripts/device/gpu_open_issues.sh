@@ -11,8 +11,9 @@
 # PART 1 (issues 31, 32, ~500 s): lane rounds a call (LaneConfig.rounds, 091ce83), 1 against 4, moe8 in turns, two
 #   processes each, then SmolLM2; then 4 with XLA's while loops and conditionals in the command buffer (if the
 #   default list leaves them out, each round's loop step or skip costs the host a sync). This sets api.ROUNDS["gpu"].
-# PART 2 (issue 32, ~480 s): where a host-bound round's host time goes (scripts/probes/host_costs.py): the per-leaf
-#   cost of a jitted call, moe8 and SmolLM2 at HEAD, moe8 with XLA's command buffers off, SmolLM2 before the flat
+# PART 2 (issue 32, ~570 s): SmolLM2 at 1 live lane of 4 (a bucketed round's lax.cond) with XLA's default
+#   command buffers and with conditionals in them; where a host-bound round's host time goes
+#   (scripts/probes/host_costs.py): the per-leaf cost of a jitted call, moe8 and SmolLM2 at HEAD, moe8 with XLA's command buffers off, SmolLM2 before the flat
 #   params; then py-spy (Python frames only: --native pauses the process and starved a run in the thirteenth session).
 # PART 3 (issue 31, ~520 s): moe8 plain through the engine, before and after 73f8dd9, in turns, two processes each;
 #   the 40-layer moe35a3 at 1 lane against its roofline.
@@ -44,9 +45,14 @@ costs() {  # TREE LABEL ARGS...: host_costs.py (HEAD's probe) on a tree's code
 if [ "$PART" = 1 ]; then
   for i in a b; do gen . moe8_rounds1_$i /tmp/moe8 64 --rounds 1; gen . moe8_rounds4_$i /tmp/moe8 64 --rounds 4; done
   gen . smollm2_rounds1 $M 128 --rounds 1; gen . smollm2_rounds4 $M 128 --rounds 4
-  XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL \
+  XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL \
     gen . moe8_rounds4_loops_in_graph /tmp/moe8 64 --rounds 4; grep -m2 "rror" $OUT/gen_moe8_rounds4_loops_in_graph.txt
 elif [ "$PART" = 2 ]; then
+  # a bucketed round (1 live lane of 4) has a lax.cond (_choose's greedy check), which XLA's default command buffer
+  # types (no CONDITIONAL) run as a host sync: default against CONDITIONAL and WHILE in the command buffer
+  gen . smollm2_lanes4 $M 128 --lanes 4
+  XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL \
+    gen . smollm2_lanes4_conditional_in_graph $M 128 --lanes 4
   costs . leaves --leaves-only
   costs . moe8 --model /tmp/moe8 --random-weights 4
   XLA_FLAGS=--xla_gpu_enable_command_buffer= costs . moe8_no_command_buffers --model /tmp/moe8 --random-weights 4

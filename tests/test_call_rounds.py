@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 
 from tfjax import geometry, models
 from tfjax.engine import Engine, Request
@@ -98,3 +99,15 @@ def test_a_lane_with_processors_runs_one_round_a_call(target):
     for a, b in zip(one, four, strict=True):
         assert a.token_ids == b.token_ids
         assert a.logprobs == b.logprobs
+
+
+@pytest.mark.slow  # ~70 s on 2 cores: a mesh's compiles of every lane bucket
+def test_four_rounds_a_call_on_a_tensor_parallel_mesh_equal_one_device(target):
+    """The scan of rounds under a (data=2, model=2) mesh: the tokens of one device at one round a call."""
+    from tfjax import sharding
+
+    sharded = models.build(geometry.tiny_dense, seed=11)
+    sharding.shard_model(sharded, sharding.make_mesh(2, 2))
+    one, _ = _staggered(target, ONE, _requests())
+    four, _ = _staggered(sharded, FOUR, _requests())
+    assert [r.token_ids for r in four] == [r.token_ids for r in one]

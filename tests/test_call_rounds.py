@@ -9,7 +9,7 @@ import pytest
 
 from tfjax import geometry, models
 from tfjax.engine import Engine, Request
-from tfjax.lanes import round as lane_round
+from tfjax.engine.runner import Runner
 from tfjax.lanes.config import LaneConfig
 from tfjax.lanes.drafter import RoundFacts
 
@@ -88,17 +88,34 @@ def test_a_lane_stops_at_its_last_token_inside_a_call(target):
     assert int(engine.runner.state.length[0]) == len(prompt) + 2
 
 
-def test_a_lane_with_processors_runs_one_round_a_call(target):
-    """Logprobs (a processor) make the call one round; the tokens and logprobs stay those of one-round calls."""
-    spec = lane_round.RoundSpec(FOUR, RoundFacts(copy_match=1))
-    assert lane_round.call_rounds(spec) == 1
-    assert lane_round.call_rounds(dataclasses.replace(spec, processors=False)) == 4
-    reqs = lambda: [Request(_prompt(60 + i, 32), max_tokens=9, logprobs=True, top_logprobs=2) for i in range(2)]  # noqa: E731
-    one, _ = _staggered(target, ONE, reqs())
-    four, _ = _staggered(target, FOUR, reqs())
+def _alternating_grammar(vocab: int):
+    """A token grammar whose mask changes every token: even ids, then odd ids, and so on."""
+    from tfjax.grammar import TokenGrammar
+
+    table = np.full((2, vocab), -1, np.int32)
+    table[0, 0::2], table[1, 1::2] = 1, 0
+    return TokenGrammar("even-odd", table, 0)
+
+
+def test_lanes_with_processors_and_a_grammar_run_four_rounds_a_call_with_the_tokens_of_one(target, monkeypatch):
+    """Penalties, logit_bias, logprobs and a grammar move on every round of a call, beside a plain lane, in a bucket
+    of the lanes (two live of four): the tokens, logprobs and alternatives of one round a call."""
+    penalties = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2, logit_bias={5: 3.0, 7: -100.0},
+                     logprobs=True, top_logprobs=2, **SAMPLED)
+
+    def requests():
+        return [Request(_prompt(60, 32), max_tokens=13, **penalties),
+                Request(_prompt(61, 30), max_tokens=11, grammar=_alternating_grammar(target.config.vocab_size))]
+
+    one, _ = _staggered(target, ONE, requests())
+    calls, collect = [], Runner.collect
+    monkeypatch.setattr(Runner, "collect", staticmethod(
+        lambda out: calls.append((out.packed.shape[0], out.logprobs is not None)) or collect(out)))
+    four, _ = _staggered(target, FOUR, requests())
+    assert (4, True) in calls and {k for k, _ in calls} == {4}, calls
     for a, b in zip(one, four, strict=True):
-        assert a.token_ids == b.token_ids
-        assert a.logprobs == b.logprobs
+        assert (a.token_ids, a.logprobs, a.top_logprobs) == (b.token_ids, b.logprobs, b.top_logprobs)
+    assert [t % 2 for t in four[1].token_ids] == [i % 2 for i in range(11)]
 
 
 @pytest.mark.slow  # ~70 s on 2 cores: a mesh's compiles of every lane bucket

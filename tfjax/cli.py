@@ -72,8 +72,8 @@ def _add_model(p: argparse.ArgumentParser, *, context: int = 2048) -> None:
     p.add_argument("--no-draft", action="store_true", help="the plain reference path: no proposals at all")
     p.add_argument("--dtype", default=None, help="weights' dtype (bfloat16, float32); default: the checkpoint's")
     p.add_argument("--rounds", type=_positive, default=None,
-                   help="lane rounds one compiled call runs: one dispatch and one fetch for them all (default: the "
-                        "backend's measured best); lanes with logprobs, penalties or a grammar run one a call")
+                   help="lane rounds one compiled call runs: one dispatch and one fetch for them all, the same tokens "
+                        "(default: the backend's measured best)")
     p.add_argument("--quantize", default="none", choices=["none", "int8"],
                    help="int8: dense weights requantized to int8 per channel and each product's rows to int8 (1.5x "
                         "SmolLM2's decode speed on a 2-core CPU; other tokens than the checkpoint's own weights give)")

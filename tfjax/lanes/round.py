@@ -159,7 +159,7 @@ def put_lanes(state: LaneState, sub: LaneState, order: jax.Array) -> LaneState:
 @functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "spec"), donate_argnames=("state",))
 def lane_round(target_def, target_params, drafter_def, drafter_params, state: LaneState, spec: RoundSpec,
                order: jax.Array | None = None) -> tuple[LaneState, RoundOut]:
-    """`call_rounds(spec)` rounds for all lanes, or for the lanes `order` [B] only (the others' outputs: no tokens),
+    """`spec.lanes.rounds` rounds for all lanes, or for the lanes `order` [B] only (the others' outputs: no tokens),
     their outputs stacked [K, L, ...]; `spec`, the graphdefs and array shapes (B among them) are the only compile
     keys."""
     if order is None:
@@ -175,12 +175,6 @@ def lane_round(target_def, target_params, drafter_def, drafter_params, state: La
     return put_lanes(state, new, order), out
 
 
-def call_rounds(spec: RoundSpec) -> int:
-    """Rounds one call runs: the lanes' `rounds`, or one when processors are traced (their bucketed rounds read
-    every lane's counts and grammar state, which only the call's start has)."""
-    return 1 if spec.processors else spec.lanes.rounds
-
-
 def _rounds(target_def, target_params, drafter_def, drafter_params, state: LaneState, spec: RoundSpec,
             full: tuple[LaneState, jax.Array] | None = None) -> tuple[LaneState, RoundOut]:
     """The call's rounds one after another (a scan: one compiled round body). A lane whose request has all its
@@ -192,7 +186,7 @@ def _rounds(target_def, target_params, drafter_def, drafter_params, state: LaneS
                           dataclasses.replace(st, active=live), spec, full)
         return dataclasses.replace(new, active=st.active), out
 
-    k = call_rounds(spec)
+    k = spec.lanes.rounds
     if k == 1:
         new, out = one(state, None)
         return new, jax.tree.map(lambda a: a[None], out)
@@ -234,9 +228,10 @@ def _choose(logits: jax.Array, rows: jax.Array, positions: jax.Array, state: Lan
 def _spread_choose(logits: jax.Array, rows: jax.Array, positions: jax.Array, state: LaneState, spec: RoundSpec,
                    full: tuple[LaneState, jax.Array] | None, mesh=None):
     if full is not None:
-        state, order = full
-        n = state.length.shape[0]
+        whole, order = full
+        n = whole.length.shape[0]
         logits, rows, positions = (_spread(a, order, n) for a in (logits, rows, positions))
+        state = _with_processors_of(whole, state, order)
     scores, row_gstates = choose_scores(logits, rows, state, spec.processors)
     with ops.using_mesh(mesh):  # every device samples every lane, as one device does: never a share of the lanes
         chosen = ops.whole(sampling.sample, scores, positions, state.sampling)  # [L, W]
@@ -248,6 +243,15 @@ def _spread_choose(logits: jax.Array, rows: jax.Array, positions: jax.Array, sta
         row_gstates = None if row_gstates is None else jax.tree.map(take, row_gstates)
         logprobs = None if logprobs is None else jax.tree.map(take, logprobs)
     return chosen, row_gstates, logprobs
+
+
+def _with_processors_of(whole: LaneState, sub: LaneState, order: jax.Array) -> LaneState:
+    """`whole` with lanes `order`'s token counts and grammar positions from `sub`, the bucket as it is now (a call's
+    later rounds have moved them on since `whole` was taken)."""
+    put = lambda a, b: a.at[order].set(b)  # noqa: E731
+    proc = None if whole.proc is None else jax.tree.map(put, whole.proc, sub.proc)
+    gstate = None if whole.gstate is None else jax.tree.map(put, whole.gstate, sub.gstate)
+    return dataclasses.replace(whole, proc=proc, gstate=gstate)
 
 
 def _round(target_def, target_params, drafter_def, drafter_params, state: LaneState, spec: RoundSpec,

@@ -169,9 +169,7 @@ def lane_round(target_def, target_params, drafter_def, drafter_params, state: La
     n = state.length.shape[0]
     spread = lambda a, fill=0: jax.vmap(lambda r: _spread(r, order, n, fill))(a)  # noqa: E731 (a round at a time)
     logprobs = None if out.logprobs is None else jax.tree.map(spread, out.logprobs)
-    w = out.packed.shape[-1] - 2
-    idle = jnp.concatenate([jnp.full((w,), -1, jnp.int32), jnp.zeros((2,), jnp.int32)])  # a lane's row: no tokens
-    out = RoundOut(spread(out.packed, idle), logprobs)
+    out = RoundOut(spread(out.packed, _no_tokens(out.packed.shape[-1])), logprobs)
     return put_lanes(state, new, order), out
 
 
@@ -181,9 +179,8 @@ def _rounds(target_def, target_params, drafter_def, drafter_params, state: LaneS
     tokens (`length >= end`) sits the rest out as an idle lane does: it writes nowhere and commits nothing."""
 
     def one(st: LaneState, _) -> tuple[LaneState, RoundOut]:
-        live = st.active if st.end is None else st.active & (st.length < st.end)
         new, out = _round(target_def, target_params, drafter_def, drafter_params,
-                          dataclasses.replace(st, active=live), spec, full)
+                          dataclasses.replace(st, active=_running(st)), spec, full)
         return dataclasses.replace(new, active=st.active), out
 
     k = spec.lanes.rounds
@@ -193,16 +190,24 @@ def _rounds(target_def, target_params, drafter_def, drafter_params, state: LaneS
     empty = jax.eval_shape(one, state, None)[1]
 
     def idle(st: LaneState, _) -> tuple[LaneState, RoundOut]:  # every lane has its tokens: no round to compute
-        w = empty.packed.shape[-1] - 2
-        row = jnp.concatenate([jnp.full((w,), -1, jnp.int32), jnp.zeros((2,), jnp.int32)])
+        row = _no_tokens(empty.packed.shape[-1])
         return st, RoundOut(jnp.broadcast_to(row, empty.packed.shape), jax.tree.map(
             lambda s: jnp.zeros(s.shape, s.dtype), empty.logprobs))
 
     def maybe(st: LaneState, x) -> tuple[LaneState, RoundOut]:
-        live = st.active if st.end is None else st.active & (st.length < st.end)
-        return jax.lax.cond(jnp.any(live), one, idle, st, x)
+        return jax.lax.cond(jnp.any(_running(st)), one, idle, st, x)
 
     return jax.lax.scan(maybe, state, None, length=k)
+
+
+def _running(state: LaneState) -> jax.Array:
+    """[L] lanes a round computes: live ones whose request still wants tokens."""
+    return state.active if state.end is None else state.active & (state.length < state.end)
+
+
+def _no_tokens(columns: int) -> jax.Array:
+    """A lane's packed row in a round it did not run: no tokens (-1), count 0, no proposals."""
+    return jnp.concatenate([jnp.full((columns - 2,), -1, jnp.int32), jnp.zeros((2,), jnp.int32)])
 
 
 def _spread(a: jax.Array, order: jax.Array, n: int, fill=0) -> jax.Array:

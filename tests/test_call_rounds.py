@@ -128,3 +128,15 @@ def test_four_rounds_a_call_on_a_tensor_parallel_mesh_equal_one_device(target):
     one, _ = _staggered(target, ONE, _requests())
     four, _ = _staggered(sharded, FOUR, _requests())
     assert [r.token_ids for r in four] == [r.token_ids for r in one]
+
+
+@pytest.mark.parametrize("lanes,calls", [(ONE, 11), (FOUR, 3)], ids=["one round a call", "four rounds a call"])
+def test_a_reply_that_ends_at_its_budget_costs_no_call_after_its_last(target, lanes, calls):
+    """The engine dispatches no call that the one in flight leaves nothing to do for (12 tokens: the prompt's one,
+    then 11 rounds of one token, plain)."""
+    engine = Engine(target, lanes, eos_ids=())
+    dispatch, dispatched = engine.runner.dispatch, []
+    engine.runner.dispatch = lambda: dispatched.append(1) or dispatch()
+    result = engine.run([Request(_prompt(3, 30), max_tokens=12, draft=False)])[0]
+    assert len(result.token_ids) == 12 and result.finish_reason == "length"
+    assert len(dispatched) == calls

@@ -216,7 +216,7 @@ class Engine:
                     self._finish(lane)
             live = {lane: slot.request.id for lane, slot in self.scheduler.running.items()}
             dispatched = None
-            if live:
+            if any(self._wants_another_call(lane, slot) for lane, slot in self.scheduler.running.items()):
                 try:
                     dispatched = (self.runner.dispatch(), live)
                 except Exception as e:
@@ -225,6 +225,13 @@ class Engine:
             previous, self._inflight = self._inflight, dispatched
             if previous is not None:
                 self._read(*previous)
+
+    def _wants_another_call(self, lane: int, slot) -> bool:
+        """Whether a live lane may want tokens beyond those the call in flight gives it at the least: each of a call's
+        rounds commits a token or more to every lane that still wants some, so a lane whose budget the call in flight
+        fills needs no other (and a reply's end no longer costs a call of rounds that nobody reads)."""
+        inflight = self._inflight is not None and self._inflight[1].get(lane) == slot.request.id
+        return len(slot.output) + (self.lanes.rounds if inflight else 0) < slot.request.max_tokens
 
     def _read(self, out, live: dict[int, int]) -> None:
         """Hand a dispatched call's tokens, round by round, to the requests that were live in it and still are."""

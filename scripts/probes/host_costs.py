@@ -64,6 +64,7 @@ def main():
     ap.add_argument("--random-weights", type=int, default=None, metavar="BITS")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--calls", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=None, help="lane rounds a call runs (default: the backend's)")
     ap.add_argument("--leaves-only", action="store_true")
     args = ap.parse_args()
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; {' '.join(sys.argv[1:])}")
@@ -81,7 +82,7 @@ def main():
         from bench_generate import random_model
 
         kw["model"] = random_model(args.model, args.random_weights)
-    llm = api.load(args.model, lanes=1, copies=False, context=args.context, **kw)
+    llm = api.load(args.model, lanes=1, copies=False, context=args.context, rounds=args.rounds, **kw)
     eng, r = llm.engine, llm.engine.runner
     eng.submit(Request([1, 2, 3, 4, 5], max_tokens=args.context - 64, ignore_eos=True))
     for _ in range(3):
@@ -102,7 +103,10 @@ def main():
 
     show("fetch of a finished round (Runner.collect)",
          [statistics.median(fetch_ms() for _ in range(args.calls)) for _ in range(3)])
-    show("engine step, pipelined (wall a round)", host_ms(eng.step, args.calls * 3, lambda _: None))
+    k = llm.lanes.rounds
+    step = host_ms(eng.step, args.calls * 3, lambda _: None)
+    show(f"engine step, pipelined (wall a call of {k} round{'s' * (k > 1)})", step)
+    show("engine step, pipelined, a round", [ms / k for ms in step])
 
 
 if __name__ == "__main__":

@@ -63,6 +63,7 @@ def test_a_stop_inside_a_call_cuts_the_reply_where_one_round_calls_cut_it(target
     assert one[3].token_ids[-1] == stop and len(one[3].token_ids) <= 10
 
 
+@pytest.mark.slow  # ~45 s on 2 cores; the block drafter's (tests/test_dflash2_lanes.py) runs in CI
 def test_four_rounds_a_call_with_a_draft_model_equal_plain(target):
     drafter = models.build(geometry.tiny_dense.replace(num_hidden_layers=2, layer_types=(
         "linear_attention", "full_attention")), seed=12)

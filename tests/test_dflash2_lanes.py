@@ -125,3 +125,21 @@ def test_block_drafter_prompt_chunks_run_plains_compiled_program(target, drafter
     drafted = runner._prefill_with_taps(0, prompt, 0, None, {})
     assert lane_round.prefill_chunk._cache_size() == compiled
     np.testing.assert_array_equal(np.asarray(drafted), np.asarray(logits))
+
+
+def test_four_rounds_a_call_with_a_block_drafter_equal_plain(target, drafter):
+    """A block drafter absorbs and drafts inside every round of a call: staggered lanes, greedy and sampled, give
+    the plain tokens of one round a call."""
+    reqs = [dict(prompt=_repetitive_prompt(50 + i, 30 + 7 * i), max_tokens=9 + 5 * i,
+                 **(SAMPLED if i % 2 else {})) for i in range(2)]
+    plain = _run(target, [Request(**r, draft=False) for r in reqs])
+    engine = Engine(target, dataclasses.replace(LANES, rounds=4), drafter=drafter, eos_ids=())
+    ids = []
+    for r in reqs:
+        ids.append(engine.submit(Request(**r)))
+        engine.step()
+    while any(i not in engine.results for i in ids):
+        engine.step()
+    drafted = [engine.results[i] for i in ids]
+    assert [r.token_ids for r in drafted] == [r.token_ids for r in plain]
+    assert all(r.proposed > 0 for r in drafted), "the block never reached the verify rows"

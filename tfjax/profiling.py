@@ -32,16 +32,18 @@ def median_time(fn, args, reps: int = 20) -> float:
 
 
 def round_ms(runner, rounds: int = 12) -> float:
-    """Milliseconds a lane round of `runner`, pipelined: one round to compile and warm, then `rounds` dispatched
-    back to back and waited for once."""
+    """Milliseconds a lane round of `runner`, pipelined: one call to compile and warm, then about `rounds` rounds in
+    calls dispatched back to back and waited for once (a call runs `runner.lanes.rounds` of them)."""
     import jax
 
+    per_call = runner.lanes.rounds
+    calls = max(rounds // per_call, 1)
     jax.block_until_ready(runner.dispatch().packed)
     t0 = time.perf_counter()
-    for _ in range(rounds):
+    for _ in range(calls):
         out = runner.dispatch()
     jax.block_until_ready(out.packed)
-    return (time.perf_counter() - t0) / rounds * 1e3
+    return (time.perf_counter() - t0) / (calls * per_call) * 1e3
 
 
 def device_time(fn, args, match: str | None, calls: int = 3, per_call: int = 1) -> float:

@@ -18,13 +18,15 @@
 # PART 3 (issue 31, ~520 s): moe8 plain through the engine, before and after 73f8dd9, in turns, two processes each;
 #   the 40-layer moe35a3 at 1 lane against its roofline.
 # PART 4 (issue 32, ~450 s): SmolLM2 plain 4-bit, main against the branch k-padded-pairs, in turns; the MoE rows GPU
-#   test with a stack dump if it hangs. Full logs under $OUT.
+#   test with a stack dump if it hangs.
+# PART 5 (issue 32, ~560 s): dense27 4-bit plain through the engine, 1 lane at 2k, --rounds 1 against 4 in turns
+#   (issue 32's 245 tok/s goal). Full logs under $OUT.
 set -u
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda TFJAX_COMPILE_CACHE=off
 filt() { grep -v "^W0\|^I0\|^E0000\|tensor/s\]\|it/s\]\|Warning\|warn("; }
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 M=${SMOLLM2:-.gpu/models/smollm2}
-PART=${1:?give the part: 1, 2, 3 or 4}
+PART=${1:?give the part: 1, 2, 3, 4 or 5}
 T0=$(date +%s); left() { echo $(( 570 - ($(date +%s) - T0) )); }
 cap() { local L; L=$(left); echo $(( L < $1 ? L : $1 )); }  # a step's timeout: its own, or what the call has left
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; date +%T
@@ -74,6 +76,9 @@ elif [ "$PART" = 3 ]; then
     PYTHONPATH=. timeout $L python3 scripts/bench_moe_gpu.py --context 2048 --lanes 1 --runs 3 --steps 10 --prompt 0 \
       > $OUT/moe40.txt 2>&1; filt < $OUT/moe40.txt | tail -4
   fi
+elif [ "$PART" = 5 ]; then
+  PYTHONPATH=. python3 scripts/moe_folder.py /tmp/d27 --geometry dense27 > /dev/null 2>&1
+  for i in a b; do gen . d27_rounds1_$i /tmp/d27 64 --rounds 1; gen . d27_rounds4_$i /tmp/d27 64 --rounds 4; done
 else
   for i in a b; do gen . smollm2_main_$i $M 128; [ -d .gpu/kpad ] && gen .gpu/kpad smollm2_kpad_$i $M 128; done
   L=$(cap 130); echo "== MoE rows GPU test [rows], stack dump at $((L - 20)) s"; date +%T

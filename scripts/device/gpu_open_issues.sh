@@ -3,8 +3,9 @@
 # so a call cut short still returns its first steps (issues 31, 32; docs/device.md "Next session's calls"):
 #   git worktree add --detach .gpu/n1 865ea9d       # before 73f8dd9 (a lane's padding rows skip their experts)
 #   git worktree add --detach .gpu/pre f8bf68b      # before 11d7d80 (params as a flat tuple)
+#   git worktree add --detach .gpu/noskip HEAD   # then scan `one` in place of `maybe` in lanes/round.py's _rounds
 #   git worktree add --detach .gpu/kpad k-padded-pairs   # the branch k-padded-pairs (e11022a): SmolLM2's K=576 on the Mosaic kernel
-#   SMOLLM2=.gpu/models/smollm2 bash scripts/device/gpu_open_issues.sh PART   (carry .gpu/models, .gpu/n1, .gpu/pre, .gpu/kpad)
+#   SMOLLM2=.gpu/models/smollm2 bash scripts/device/gpu_open_issues.sh PART   (carry .gpu/models, .gpu/n1, .gpu/pre, .gpu/kpad, .gpu/noskip, .gpu/tools)
 # .gpu/models/smollm2: SmolLM2's config.json, generation_config.json and tokenizer files, no weights:
 #   mkdir -p .gpu/models/smollm2 && cp ~/.cache/tfjax/smollm2-bf16/{config,generation_config,tokenizer,tokenizer_config}.json .gpu/models/smollm2/
 # A moe8 bench_generate process takes ~80 s on the H100 (load, compile, 3 runs): never give it less than 150 s.
@@ -45,13 +46,16 @@ costs() {  # TREE LABEL ARGS...: host_costs.py (HEAD's probe) on a tree's code
   grep "|\|leaves)" $OUT/costs_$label.txt | grep -v "^|---\|host cost"; grep -m2 "Error\|flag" $OUT/costs_$label.txt
 }
 if [ "$PART" = 1 ]; then
-  for i in a b; do gen . moe8_rounds1_$i /tmp/moe8 64 --rounds 1; gen . moe8_rounds4_$i /tmp/moe8 64 --rounds 4; done
-  gen . smollm2_rounds1 $M 128 --rounds 1; gen . smollm2_rounds4 $M 128 --rounds 4
+  gen . moe8_rounds1_a /tmp/moe8 64 --rounds 1; gen . moe8_rounds4_a /tmp/moe8 64 --rounds 4
   XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL \
     gen . moe8_rounds4_loops_in_graph /tmp/moe8 64 --rounds 4; grep -m2 "rror" $OUT/gen_moe8_rounds4_loops_in_graph.txt
+  # the round skip's lax.cond may cost the host a sync a round: HEAD with the scan running every round
+  [ -d .gpu/noskip ] && gen .gpu/noskip moe8_rounds4_noskip /tmp/moe8 64 --rounds 4
+  gen . moe8_rounds1_b /tmp/moe8 64 --rounds 1; gen . moe8_rounds4_b /tmp/moe8 64 --rounds 4
 elif [ "$PART" = 2 ]; then
   # a bucketed round (1 live lane of 4) has a lax.cond (_choose's greedy check), which XLA's default command buffer
   # types (no CONDITIONAL) run as a host sync: default against CONDITIONAL and WHILE in the command buffer
+  gen . smollm2_rounds1 $M 128 --rounds 1; gen . smollm2_rounds4 $M 128 --rounds 4
   gen . smollm2_lanes4 $M 128 --lanes 4
   XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL \
     gen . smollm2_lanes4_conditional_in_graph $M 128 --lanes 4

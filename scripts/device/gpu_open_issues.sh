@@ -20,8 +20,8 @@
 #   the 40-layer moe35a3 at 1 lane against its roofline.
 # PART 4 (issue 32, ~450 s): SmolLM2 plain 4-bit, main against the branch k-padded-pairs, in turns; the MoE rows GPU
 #   test with a stack dump if it hangs.
-# PART 5 (issue 32, ~560 s): dense27 4-bit plain through the engine, 1 lane at 2k, --rounds 1 against 4 in turns
-#   (issue 32's 245 tok/s goal). Full logs under $OUT.
+# PART 5 (issue 32, ~570 s): dense27 4-bit plain through the engine, 1 lane at 2k, --rounds 1 against 4 in turns
+#   (issue 32's 245 tok/s goal), and SmolLM2 the same (its 1000 tok/s goal). Full logs under $OUT.
 set -u
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda TFJAX_COMPILE_CACHE=off
 filt() { grep -v "^W0\|^I0\|^E0000\|tensor/s\]\|it/s\]\|Warning\|warn("; }
@@ -82,7 +82,9 @@ elif [ "$PART" = 3 ]; then
   fi
 elif [ "$PART" = 5 ]; then
   PYTHONPATH=. python3 scripts/moe_folder.py /tmp/d27 --geometry dense27 > /dev/null 2>&1
-  for i in a b; do gen . d27_rounds1_$i /tmp/d27 64 --rounds 1; gen . d27_rounds4_$i /tmp/d27 64 --rounds 4; done
+  gen . d27_rounds1_a /tmp/d27 64 --rounds 1; gen . d27_rounds4_a /tmp/d27 64 --rounds 4
+  gen . smollm2_rounds1 $M 128 --rounds 1; gen . smollm2_rounds4 $M 128 --rounds 4
+  gen . d27_rounds1_b /tmp/d27 64 --rounds 1; gen . d27_rounds4_b /tmp/d27 64 --rounds 4
 else
   for i in a b; do gen . smollm2_main_$i $M 128; [ -d .gpu/kpad ] && gen .gpu/kpad smollm2_kpad_$i $M 128; done
   L=$(cap 130); echo "== MoE rows GPU test [rows], stack dump at $((L - 20)) s"; date +%T

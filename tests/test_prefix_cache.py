@@ -4,6 +4,7 @@ copies and drafters; shared and evicted pages never reach a lane that reads them
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import numpy as np
 import pytest
@@ -409,3 +410,12 @@ def test_with_one_snapshot_slot_a_resume_falls_back_to_a_shallower_boundary_and_
     engine.run([Request(_words(77, 2 * CHUNK + 3), max_tokens=2)])  # its boundary takes the only slot
     again = engine.run([Request(turn2, max_tokens=8, **conv["params"])])[0]
     assert again.cached_tokens == 0 and again.token_sha256 == cold.token_sha256
+
+
+@SLOW  # ~16 s; the four-round contract stays in CI through tests/test_call_rounds.py
+def test_turn_two_resumed_at_four_rounds_a_call_equals_a_cold_engine_and_one_round_calls(built):
+    """A call of four rounds resumes a cached prefix as one-round calls do: the same tokens, warm or cold."""
+    llama = _model(built, "llama")
+    four = _resumed_equals_fresh(llama, lanes=dataclasses.replace(LANES, rounds=4))
+    one = _resumed_equals_fresh(llama)
+    assert [r.token_ids for r in four] == [r.token_ids for r in one]

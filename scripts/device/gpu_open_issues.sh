@@ -47,15 +47,15 @@ costs() {  # TREE LABEL ARGS...: host_costs.py (HEAD's probe) on a tree's code
 }
 if [ "$PART" = 1 ]; then
   gen . moe8_rounds1_a /tmp/moe8 64 --rounds 1; gen . moe8_rounds4_a /tmp/moe8 64 --rounds 4
-  XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL \
-    gen . moe8_rounds4_loops_in_graph /tmp/moe8 64 --rounds 4; grep -m2 "rror" $OUT/gen_moe8_rounds4_loops_in_graph.txt
   # the round skip's lax.cond may cost the host a sync a round: HEAD with the scan running every round
   [ -d .gpu/noskip ] && gen .gpu/noskip moe8_rounds4_noskip /tmp/moe8 64 --rounds 4
+  gen . smollm2_rounds1 $M 128 --rounds 1; gen . smollm2_rounds4 $M 128 --rounds 4
+  XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL \
+    gen . moe8_rounds4_loops_in_graph /tmp/moe8 64 --rounds 4; grep -m2 "rror" $OUT/gen_moe8_rounds4_loops_in_graph.txt
   gen . moe8_rounds1_b /tmp/moe8 64 --rounds 1; gen . moe8_rounds4_b /tmp/moe8 64 --rounds 4
 elif [ "$PART" = 2 ]; then
   # a bucketed round (1 live lane of 4) has a lax.cond (_choose's greedy check), which XLA's default command buffer
   # types (no CONDITIONAL) run as a host sync: default against CONDITIONAL and WHILE in the command buffer
-  gen . smollm2_rounds1 $M 128 --rounds 1; gen . smollm2_rounds4 $M 128 --rounds 4
   gen . smollm2_lanes4 $M 128 --lanes 4
   XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL \
     gen . smollm2_lanes4_conditional_in_graph $M 128 --lanes 4

@@ -28,7 +28,7 @@ filt() { grep -v "^W0\|^I0\|^E0000\|tensor/s\]\|it/s\]\|Warning\|warn("; }
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 M=${SMOLLM2:-.gpu/models/smollm2}
 PART=${1:?give the part: 1, 2, 3, 4 or 5}
-T0=$(date +%s); left() { echo $(( 570 - ($(date +%s) - T0) )); }
+T0=$(date +%s); DEADLINE=${DEADLINE:-570}; left() { echo $(( DEADLINE - ($(date +%s) - T0) )); }
 cap() { local L; L=$(left); echo $(( L < $1 ? L : $1 )); }  # a step's timeout: its own, or what the call has left
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; date +%T
 PYTHONPATH=. python3 scripts/moe_folder.py /tmp/moe8 --layers 8 > /dev/null 2>&1

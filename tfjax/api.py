@@ -15,7 +15,7 @@ from tfjax.models.layers import fuse_projections, serving_layout, use_int8
 from tfjax.tokenizer import Tokenizer
 
 PREFIX_CACHE_GB = 2.0  # device memory for cached prompt prefixes beyond the lanes' own pages (0: off)
-ROUNDS = {}  # backend -> lane rounds a call runs by default, where measurement chose more than 1 (docs/benchmarks.md)
+ROUNDS = {"gpu": 4}  # backend -> lane rounds a call runs by default, where measurement chose more than 1 (docs/benchmarks.md)
 QUANTIZE = ("none", "int8")  # "int8": dense weights requantized per channel, activations per row (`tfjax.int8`)
 
 

@@ -135,6 +135,7 @@ def main():
     print(f"{args.model} on {jax.devices()[0].device_kind}, jax {jax.__version__}"
           + (f", random {args.random_weights}-bit weights" if args.random_weights is not None else ""))
     notes: list[str] = []
+    hashes: list[str] = []  # the plain replies' hashes: compare processes (another --rounds, another tree) by them
     print("| cell | mode | decode tok/s a stream | x plain | tok/s (wall) | x plain (wall) | tok/round | hash == plain |")
     print("|---|---|---|---|---|---|---|---|")
     if args.prompts:
@@ -167,13 +168,14 @@ def main():
                     notes += [f"{name} #{k}, {sampling}, {mode}: {first_difference(b.token_ids, o.token_ids)}"
                               for k, (o, b, e) in enumerate(zip(outs, base, equal, strict=True)) if not e]
             plain, plain_decode = statistics.median(speeds["plain"]), statistics.median(decodes["plain"])
+            hashes += [f"{label}, {sampling}: plain token_sha256 " + " ".join(o.token_sha256[:16] for o in base)]
             for mode, *_ in rows:
                 med, dec = statistics.median(speeds[mode]), statistics.median(decodes[mode])
                 equal = "-" if mode == "plain" else f"{same[mode]}/{len(base)}"
                 print(f"| {label}, {sampling} | {mode} | {dec:.1f}{spread(decodes[mode])} | {dec / plain_decode:.2f} | "
                       f"{med:.1f}{spread(speeds[mode])} | {med / plain:.2f} | {rounds[mode]:.2f} | {equal} |", flush=True)
-    for note in notes:
-        print(note)
+    for line in notes + hashes:
+        print(line)
 
 
 def spread(values: list[float]) -> str:

@@ -35,7 +35,7 @@ gen() {  # TREE LABEL MODEL TOKENS [ARGS...]: one bench_generate process, plain,
   echo "== $2 ($L s)"; date +%T
   PYTHONPATH=$1 timeout $L python3 $1/scripts/bench_generate.py --model $3 --random-weights 4 --cells "code new" \
     --sampling greedy --tokens $4 --runs 3 --context 2048 --copy-match 0 "${@:5}" > $OUT/gen_$2.txt 2>&1
-  grep "|" $OUT/gen_$2.txt | tail -1
+  grep "|" $OUT/gen_$2.txt | tail -1; grep "plain token_sha256" $OUT/gen_$2.txt | tail -1
 }
 costs() {  # TREE LABEL ARGS...: host_costs.py (HEAD's probe) on a tree's code
   local tree=$1 label=$2 L; shift 2; L=$(cap 120); [ $L -gt 60 ] || { echo "skip $label: $L s left"; return; }

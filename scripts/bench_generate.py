@@ -14,7 +14,9 @@ Every row's `token_sha256` is compared with the plain row of its cell (`draft: f
 the built-in prompts with `--per-cell` HELD-OUT prompts of each cell (code edit: edit prompts, code new: code
 prompts, chat: chat prompts), which a drafter trained on that set never saw; a row sums their tokens, time and
 rounds, and counts equal hashes. `--streams N` runs N of a cell's prompts at once (N lanes; tok/s is the sum of
-the N streams, tok/round their mean), `--per-cell` rounded up to a multiple of N.
+the N streams, tok/round their mean), `--per-cell` rounded up to a multiple of N. Without `--prompts`, `--streams N`
+runs N variants of each built-in prompt at once (a first line naming the stream), so a model with random weights
+gives per-stream speed at N streams beside one (issue 32's 4- and 16-stream goals).
 
 Two speeds a row: `tok/s`, every token of the cell over the wall time of its groups (prompts included, so the
 slowest stream of a group sets it), and `decode tok/s`, each stream's tokens after its first over the time since
@@ -90,6 +92,15 @@ def held_out_cells(path: str, per_cell: int, streams: int) -> list[tuple[str, li
     return out
 
 
+def stream_variants(prompt, n: int) -> list:
+    """n prompts that differ from `prompt` by a first line naming the stream (a chat prompt: its first message)."""
+    def variant(i: int):
+        if isinstance(prompt, str):
+            return f"# stream {i}\n{prompt}"
+        return [dict(prompt[0], content=f"(stream {i}) {prompt[0]['content']}"), *prompt[1:]]
+    return [variant(i) for i in range(n)]
+
+
 def random_model(path: str, bits: int):
     """(module, config) of the folder's geometry with random weights, MLX `bits`-bit (group 64) unless 0."""
     config = ModelConfig.from_json(api.resolve(path, weights=False))
@@ -119,7 +130,8 @@ def main():
     ap.add_argument("--sampling", default="greedy,sampled", help="greedy, sampled or both")
     ap.add_argument("--prompts", default=None, help="a corpus prompt set (.jsonl.gz): its held-out prompts")
     ap.add_argument("--per-cell", type=int, default=4, help="with --prompts: prompts a cell")
-    ap.add_argument("--streams", type=int, default=1, help="with --prompts: prompts at once")
+    ap.add_argument("--streams", type=int, default=1,
+                    help="prompts at once: --prompts' held-out prompts, else variants of each built-in prompt")
     ap.add_argument("--runs", type=int, default=1, help="timed runs of every mode, in turns: tok/s is their median "
                     "(min..max); hashes are checked on every run")
     args = ap.parse_args()
@@ -141,7 +153,8 @@ def main():
     if args.prompts:
         cells = held_out_cells(args.prompts, args.per_cell, args.streams)
     else:
-        cells = [(c, [[p]]) for c, p in (("code edit", CODE), ("code new", CODE_NEW), ("chat", CHAT))]
+        cells = [(c, [stream_variants(p, args.streams) if args.streams > 1 else [p]])
+                 for c, p in (("code edit", CODE), ("code new", CODE_NEW), ("chat", CHAT))]
     cells = [c for c in cells if c[0] in args.cells.split(",")]
     modes = [m for m in (("greedy", {}), ("sampled", SAMPLED)) if m[0] in args.sampling.split(",")]
     for llm in engines.values():  # every lane bucket's round, once: streams that end apart meet buckets warm-ups miss
@@ -149,7 +162,8 @@ def main():
     for name, groups in cells:
         for llm in engines.values():  # a draft: false request runs the same programs (its lanes just propose nothing)
             warm(llm, groups, modes[0][1] if modes else {})
-        label = name if not args.prompts else f"{name} (held out x{sum(map(len, groups))}, {args.streams} at once)"
+        label = (f"{name} (held out x{sum(map(len, groups))}, {args.streams} at once)" if args.prompts
+                 else f"{name} ({args.streams} at once)" if args.streams > 1 else name)
         for sampling, params in modes:
             drafted = args.random_weights is None or args.exact
             rows = [("plain", engines["copies"], False)]

@@ -18,8 +18,9 @@
 #   the 40-layer moe35a3 at 1 lane against its roofline.
 # PART 4 (issue 32, ~450 s): SmolLM2 plain 4-bit, main against the branch k-padded-pairs, in turns; the MoE rows GPU
 #   test with a stack dump if it hangs.
-# PART 5 (issue 32, ~400 s): where dense27's device-bound round goes (9.2 ms a token on the H100 at K=1 and 4):
-#   profile_round.py through the engine, kernels a round and the device's busy time. Full logs under $OUT.
+# PART 5 (issue 32, ~570 s): where dense27's device-bound round goes (9.2 ms a token on the H100 at K=1 and 4):
+#   profile_round.py through the engine, kernels a round and the device's busy time; then dense27 at 1, 4 and 16
+#   streams (bench_generate --streams: variants of the built-in prompt). Full logs under $OUT.
 set -u
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda TFJAX_COMPILE_CACHE=off
 filt() { grep -v "^W0\|^I0\|^E0000\|tensor/s\]\|it/s\]\|Warning\|warn("; }
@@ -80,9 +81,11 @@ elif [ "$PART" = 3 ]; then
   fi
 elif [ "$PART" = 5 ]; then
   PYTHONPATH=. python3 scripts/moe_folder.py /tmp/d27 --geometry dense27 > /dev/null 2>&1
-  L=$(cap 300); echo "== dense27 profile through the engine, plain, 1 lane at 2k ($L s)"; date +%T
+  L=$(cap 220); echo "== dense27 profile through the engine, plain, 1 lane at 2k ($L s)"; date +%T
   PYTHONPATH=. timeout $L python3 scripts/probes/profile_round.py --model /tmp/d27 --random-weights 4 --copy-match 0 \
     --tokens 32 --top 40 > $OUT/profile_d27.txt 2>&1; filt < $OUT/profile_d27.txt | tail -60
+  # issue 32's stream goals: per-stream decode at 4 streams against 1 (then 16, if the call has time)
+  gen . d27_streams1 /tmp/d27 64; gen . d27_streams4 /tmp/d27 64 --streams 4; gen . d27_streams16 /tmp/d27 64 --streams 16
 else
   for i in a b; do gen . smollm2_main_$i $M 128 --rounds 1;  # the branch has one round a call
      [ -d .gpu/kpad ] && gen .gpu/kpad smollm2_kpad_$i $M 128; done

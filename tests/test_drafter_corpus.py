@@ -100,3 +100,14 @@ def test_bench_cells_take_only_held_out_prompts(tmp_path):
             for prompt in group:
                 text = prompt[0]["content"] if isinstance(prompt, list) else prompt
                 assert text in held_texts
+
+
+def test_bench_stream_variants_are_distinct_prompts_that_keep_the_original():
+    from scripts.bench_generate import CHAT, CODE, stream_variants
+
+    for prompt in (CODE, CHAT):
+        variants = stream_variants(prompt, 4)
+        texts = [v if isinstance(v, str) else v[0]["content"] for v in variants]
+        original = prompt if isinstance(prompt, str) else prompt[0]["content"]
+        assert len(set(texts)) == 4 and all(t.endswith(original) for t in texts)
+        assert all(isinstance(v, type(prompt)) for v in variants)

@@ -202,7 +202,7 @@ def _rounds(target_def, target_params, drafter_def, drafter_params, state: LaneS
 
 def _running(state: LaneState) -> jax.Array:
     """[L] lanes a round computes: live ones whose request still wants tokens."""
-    return state.active if state.end is None else state.active & (state.length < state.end)
+    return state.active & (state.length < state.end)
 
 
 def _no_tokens(columns: int) -> jax.Array:
@@ -415,7 +415,7 @@ def admit(state: LaneState, lane: jax.Array, history_row: jax.Array, length: jax
                                active=put(state.active, True), drafting=put(state.drafting, drafting),
                                sampling=samp, cache=cache, draft_cache=draft_cache,
                                draft_len=put(state.draft_len, length - 1),
-                               end=None if state.end is None else put(state.end, end))
+                               end=put(state.end, end))
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))

@@ -27,9 +27,11 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 
 def _staggered(target, lanes, requests, drafter=None, facts=COPIES):
-    """Each request submitted a step after the one before (arrivals mid-call), run to the end: (results, engine)."""
+    """Each request submitted a step after the one before (arrivals mid-call), run to the end: (results, engine).
+    `facts` None keeps the engine's own (a block drafter's)."""
     engine = Engine(target, lanes, drafter=drafter, eos_ids=())
-    engine.runner.set_facts(facts)
+    if facts is not None:
+        engine.runner.set_facts(facts)
     ids = []
     for r in requests:
         ids.append(engine.submit(r))

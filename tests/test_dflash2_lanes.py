@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from tests.test_call_rounds import _staggered
 from tests.test_dflash2 import drafter_config
 from tests.test_lanes import LANES, SAMPLED, _repetitive_prompt
 from tfjax import geometry, models
@@ -133,13 +134,7 @@ def test_four_rounds_a_call_with_a_block_drafter_equal_plain(target, drafter):
     reqs = [dict(prompt=_repetitive_prompt(50 + i, 30 + 7 * i), max_tokens=9 + 5 * i,
                  **(SAMPLED if i % 2 else {})) for i in range(2)]
     plain = _run(target, [Request(**r, draft=False) for r in reqs])
-    engine = Engine(target, dataclasses.replace(LANES, rounds=4), drafter=drafter, eos_ids=())
-    ids = []
-    for r in reqs:
-        ids.append(engine.submit(Request(**r)))
-        engine.step()
-    while any(i not in engine.results for i in ids):
-        engine.step()
-    drafted = [engine.results[i] for i in ids]
+    drafted, _ = _staggered(target, dataclasses.replace(LANES, rounds=4), [Request(**r) for r in reqs], drafter,
+                            facts=None)
     assert [r.token_ids for r in drafted] == [r.token_ids for r in plain]
     assert all(r.proposed > 0 for r in drafted), "the block never reached the verify rows"
